@@ -1,0 +1,58 @@
+"""kvmux.kv: the KV-cache capacity mechanism.
+
+Capacities grow in power-of-two buckets; each growth is a transaction driven
+by :func:`ensure_capacity` over a :class:`GrowthBackend`'s primitives, which
+either commits completely or leaves the session exactly as it was. Ceilings
+are facts (an explicit cap, the model's declared maximum), never derived from
+free memory. Nothing here knows about ZeroMQ, onnxruntime or the daemon.
+"""
+
+from . import failpoints
+from ._backend import GrowthBackend, GrowthResult
+from ._bucket import DEFAULT_MIN_BUCKET, MIN_BUCKET_ENV, capacity_bucket, resolve_min_bucket
+from ._budget import MemoryBudget, MemoryInfo, host_memory
+from ._buffers import ArrayKvCache, StagedBuffers
+from ._cuda import CudaKvCache, cuda_unavailable_reason
+from ._driver import classify_cause, ensure_capacity
+from ._errors import (
+    BudgetExceeded,
+    CapacityExceeded,
+    GrowthFailed,
+    InjectedFault,
+    KvConfigError,
+    KvError,
+    format_bytes,
+)
+from ._hardmax import HardMax, resolve_hard_max
+from ._host import HostKvCache
+from ._spec import KvSpec
+
+__all__ = [
+    "DEFAULT_MIN_BUCKET",
+    "MIN_BUCKET_ENV",
+    "ArrayKvCache",
+    "BudgetExceeded",
+    "CapacityExceeded",
+    "CudaKvCache",
+    "GrowthBackend",
+    "GrowthFailed",
+    "GrowthResult",
+    "HardMax",
+    "HostKvCache",
+    "InjectedFault",
+    "KvConfigError",
+    "KvError",
+    "KvSpec",
+    "MemoryBudget",
+    "MemoryInfo",
+    "StagedBuffers",
+    "capacity_bucket",
+    "classify_cause",
+    "cuda_unavailable_reason",
+    "ensure_capacity",
+    "failpoints",
+    "format_bytes",
+    "host_memory",
+    "resolve_hard_max",
+    "resolve_min_bucket",
+]

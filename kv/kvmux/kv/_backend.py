@@ -1,0 +1,76 @@
+"""The growth seam: the primitives a KV backend implements, and nothing more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from ._budget import MemoryInfo
+from ._hardmax import HardMax
+
+Staged = TypeVar("Staged")
+
+
+class GrowthBackend(Protocol[Staged]):
+    """A KV cache as the growth driver sees it.
+
+    A backend implements primitives, never policy: bucket choice, the hard-max
+    check, step order and failure translation all live in
+    :func:`kvmux.kv.ensure_capacity`. ``allocate`` through
+    ``invalidate_capture`` may fail; ``commit`` and ``discard`` must not.
+    """
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def valid_len(self) -> int: ...
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+    @property
+    def hard_max(self) -> HardMax: ...
+
+    @property
+    def min_bucket(self) -> int: ...
+
+    def allocate(self, new_capacity: int) -> Staged:
+        """Stage buffers of ``new_capacity`` tokens; touch nothing live."""
+        ...
+
+    def copy_prefix(self, staged: Staged) -> int:
+        """Copy the valid prefix of every K/V buffer into ``staged``; return bytes copied."""
+        ...
+
+    def build_mask(self, staged: Staged) -> None:
+        """Build the attention mask at the staged width."""
+        ...
+
+    def invalidate_capture(self) -> None:
+        """Drop any captured graph bound to the live buffers' addresses."""
+        ...
+
+    def commit(self, staged: Staged) -> None:
+        """Swap in ``staged`` by plain assignment, then release the old buffers."""
+        ...
+
+    def discard(self, staged: Staged) -> None:
+        """Release buffers staged by a growth that did not commit."""
+        ...
+
+    def memory(self) -> MemoryInfo | None:
+        """Device free/total now, or None when it cannot be measured."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class GrowthResult:
+    """What one :func:`ensure_capacity` call did."""
+
+    grew: bool
+    old_capacity: int
+    new_capacity: int
+    valid_len: int
+    bytes_copied: int = 0
+    seconds: float = 0.0

@@ -1,0 +1,78 @@
+"""The CUDA backend: KV buffers in CuPy device memory, bound to onnxruntime by pointer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._budget import MemoryBudget, MemoryInfo
+from ._buffers import ArrayKvCache
+from ._errors import KvConfigError
+from ._hardmax import HardMax
+from ._spec import KvSpec
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why :class:`CudaKvCache` cannot run here, or None when it can.
+
+    Importing CuPy succeeds without a driver; only a device query tells.
+    """
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"CuPy is not installed ({exc}); install kvmux[cuda12] or kvmux[cuda13]"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError without a driver
+        return f"no usable CUDA device: {type(exc).__name__}: {exc}"
+    if count == 0:
+        return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)"
+    return None
+
+
+class CudaKvCache(ArrayKvCache):
+    """KV buffers in CuPy device memory; prefix copies are device-to-device.
+
+    CuPy's ``OutOfMemoryError`` is a ``MemoryError``, so the shared driver
+    translates a device refusal into :class:`~kvmux.kv.GrowthFailed` like any
+    other allocation failure.
+    """
+
+    def __init__(
+        self,
+        spec: KvSpec,
+        hard_max: HardMax,
+        *,
+        device_id: int = 0,
+        min_bucket: int | None = None,
+        budget: MemoryBudget | None = None,
+    ) -> None:
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            raise KvConfigError(f"CudaKvCache is unavailable: {reason}")
+        import cupy
+
+        self.device_id = device_id
+        self._cupy: Any = cupy
+        with cupy.cuda.Device(device_id):
+            super().__init__(spec, hard_max, xp=cupy, min_bucket=min_bucket, budget=budget)
+
+    def allocate(self, new_capacity: int) -> Any:
+        with self._cupy.cuda.Device(self.device_id):
+            return super().allocate(new_capacity)
+
+    def memory(self) -> MemoryInfo | None:
+        budget = self.budget.memory()
+        if budget is not None:
+            return budget
+        with self._cupy.cuda.Device(self.device_id):
+            free, total = self._cupy.cuda.runtime.memGetInfo()
+        return MemoryInfo(int(free), int(total), f"cudaMemGetInfo (device {self.device_id})")
+
+    def key_ptr(self, layer: int) -> int:
+        return int(self.keys[layer].data.ptr)
+
+    def value_ptr(self, layer: int) -> int:
+        return int(self.values[layer].data.ptr)
+
+    def mask_ptr(self) -> int:
+        return int(self.mask.data.ptr)

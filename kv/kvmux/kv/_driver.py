@@ -1,0 +1,167 @@
+"""The one growth driver every backend shares: check, stage, commit, or leave untouched."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+from . import failpoints
+from ._backend import GrowthBackend, GrowthResult
+from ._bucket import capacity_bucket
+from ._budget import MemoryInfo
+from ._errors import BudgetExceeded, CapacityExceeded, GrowthFailed, InjectedFault, format_bytes
+
+S = TypeVar("S")
+
+CAPACITY_LEVERS = (
+    "set a smaller explicit cap only if the output may stop earlier (per-item max_context)",
+    "shorten the prompt or lower max_new_tokens so prompt + output fits the hard maximum",
+    "use a model with a longer declared context if the task needs it",
+)
+GROWTH_LEVERS = (
+    "set an explicit smaller cap (per-item max_context or kv.max_len) so the session "
+    "stops before this bucket",
+    "shorten the prompt or lower max_new_tokens",
+    "run fewer concurrent sessions (scheduler.max_active_sessions)",
+    "free device memory held by other processes, or raise kv.memory_budget if one is set",
+)
+
+
+def _memory_now(backend: GrowthBackend[Any]) -> MemoryInfo | None:
+    # Diagnostics only: a failing probe must not mask the error being reported.
+    try:
+        return backend.memory()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _memory_details(mem: MemoryInfo | None) -> dict[str, Any]:
+    if mem is None:
+        return {
+            "device_free_bytes": None,
+            "device_total_bytes": None,
+            "memory_source": "unavailable",
+        }
+    return {
+        "device_free_bytes": mem.free,
+        "device_total_bytes": mem.total,
+        "memory_source": mem.source,
+    }
+
+
+def _memory_text(mem: MemoryInfo | None) -> str:
+    if mem is None:
+        return "device memory unavailable"
+    return f"device free {format_bytes(mem.free)} of {format_bytes(mem.total)} ({mem.source})"
+
+
+def classify_cause(exc: BaseException) -> str:
+    """A short, stable cause kind for metrics: out_of_memory, budget, injected, error."""
+    if isinstance(exc, BudgetExceeded):
+        return "budget"
+    if isinstance(exc, InjectedFault):
+        return "injected"
+    if isinstance(exc, MemoryError) or "Failed to allocate memory" in str(exc):
+        # CuPy's OutOfMemoryError is a MemoryError; onnxruntime reports its
+        # allocator failures only as text in a RuntimeError.
+        return "out_of_memory"
+    return "error"
+
+
+def capacity_exceeded(backend: GrowthBackend[Any], required: int) -> CapacityExceeded:
+    hard = backend.hard_max
+    mem = _memory_now(backend)
+    bpt = backend.bytes_per_token
+    details: dict[str, Any] = {
+        "requested_tokens": required,
+        "hard_max": hard.value,
+        "hard_max_source": hard.source,
+        "model_max": hard.model_max,
+        "bytes_per_token": bpt,
+        **_memory_details(mem),
+        "levers": list(CAPACITY_LEVERS),
+    }
+    message = (
+        f"KV capacity exceeded: {required} tokens requested, hard maximum {hard.describe()} "
+        f"from {hard.source}; model declares max_length "
+        f"{'none' if hard.model_max is None else hard.model_max}; "
+        f"{format_bytes(bpt)} per token; {_memory_text(mem)}. Nothing was allocated. "
+        f"To proceed: {'; '.join(CAPACITY_LEVERS)}."
+    )
+    return CapacityExceeded(message, details)
+
+
+def _growth_failed(
+    backend: GrowthBackend[Any], old: int, new: int, step: str, exc: Exception
+) -> GrowthFailed:
+    mem = _memory_now(backend)
+    bpt = backend.bytes_per_token
+    cause = classify_cause(exc)
+    hard = backend.hard_max
+    details: dict[str, Any] = {
+        "old_capacity": old,
+        "new_capacity": new,
+        "valid_len": backend.valid_len,
+        "failed_step": step,
+        "cause": cause,
+        "cause_message": f"{type(exc).__name__}: {exc}",
+        "new_alloc_bytes": new * bpt,
+        "transient_peak_bytes": (old + new) * bpt,
+        "bytes_per_token": bpt,
+        **_memory_details(mem),
+        "hard_max": hard.value,
+        "hard_max_source": hard.source,
+        "session_unchanged": True,
+        "levers": list(GROWTH_LEVERS),
+    }
+    message = (
+        f"KV growth {old} -> {new} tokens failed at {step} ({cause}: {type(exc).__name__}: {exc}). "
+        f"New allocation {format_bytes(new * bpt)}; transient peak "
+        f"{format_bytes((old + new) * bpt)} (old + new buffers alive together) at "
+        f"{format_bytes(bpt)} per token; {_memory_text(mem)}. "
+        f"Session state was left unchanged. To proceed: {'; '.join(GROWTH_LEVERS)}."
+    )
+    return GrowthFailed(message, details)
+
+
+def ensure_capacity(backend: GrowthBackend[S], required: int) -> GrowthResult:
+    """Make ``backend`` hold at least ``required`` tokens, growing by one transaction.
+
+    Raises :class:`CapacityExceeded` (nothing touched) past the hard maximum, and
+    :class:`GrowthFailed` when a fallible step fails; then capacity, valid
+    length, buffers, mask and capture state are exactly as before, and the same
+    call may be retried.
+    """
+    if isinstance(required, bool) or not isinstance(required, int) or required < 0:
+        raise ValueError(f"required must be a non-negative integer, got {required!r}")
+    hard = backend.hard_max.value
+    if hard is not None and required > hard:
+        raise capacity_exceeded(backend, required)
+    old = backend.capacity
+    if required <= old:
+        return GrowthResult(False, old, old, backend.valid_len)
+
+    new = capacity_bucket(required, hard, backend.min_bucket)
+    started = time.perf_counter()
+    step = "allocate"
+    staged: S | None = None
+    try:
+        failpoints.hit("kv.allocate")
+        staged = backend.allocate(new)
+        step = "copy_prefix"
+        failpoints.hit("kv.copy_prefix")
+        copied = backend.copy_prefix(staged)
+        step = "build_mask"
+        failpoints.hit("kv.build_mask")
+        backend.build_mask(staged)
+        step = "invalidate_capture"
+        failpoints.hit("kv.invalidate_capture")
+        backend.invalidate_capture()
+    except BaseException as exc:
+        if staged is not None:
+            backend.discard(staged)
+        if isinstance(exc, Exception):
+            raise _growth_failed(backend, old, new, step, exc) from exc
+        raise
+    backend.commit(staged)
+    return GrowthResult(True, old, new, backend.valid_len, copied, time.perf_counter() - started)

@@ -1,0 +1,28 @@
+"""Suite-wide fixtures and the rule that GPU tests say why they skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvmux.kv import cuda_unavailable_reason, failpoints
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        return
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason=f"gpu test, no usable CUDA here: {reason}"))
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_failpoints() -> Iterator[None]:
+    """A test that arms a failpoint must not leak it into the next test."""
+    failpoints.disarm()
+    yield
+    failpoints.disarm()
