@@ -1,0 +1,1 @@
+"""kvmux.daemon: the service that multiplexes decode sessions (engine, model folders)."""

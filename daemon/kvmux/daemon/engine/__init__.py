@@ -1,0 +1,27 @@
+"""The decode engine: onnxruntime sessions over growing, shared KV buffers."""
+
+from .engine import Engine, EngineOptions
+from .errors import BadPrompt, EngineError, RunFailed, RuntimeUnavailable
+from .runtime import create_session, import_onnxruntime
+from .sampling import ResolvedSampling, Sampler, SamplingParams, resolve_sampling
+from .session import Completion, DecodeSession, StepOutput
+from .text import TextStream
+
+__all__ = [
+    "BadPrompt",
+    "Completion",
+    "DecodeSession",
+    "Engine",
+    "EngineError",
+    "EngineOptions",
+    "ResolvedSampling",
+    "RunFailed",
+    "RuntimeUnavailable",
+    "Sampler",
+    "SamplingParams",
+    "StepOutput",
+    "TextStream",
+    "create_session",
+    "import_onnxruntime",
+    "resolve_sampling",
+]

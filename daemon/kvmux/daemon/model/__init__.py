@@ -1,0 +1,31 @@
+"""Model folders in onnxruntime-genai's format: build, load, validate, tokenize.
+
+Importing this package imports NumPy and ``onnx`` (the builder); ``tokenizers``
+loads on first use, and ``onnxruntime`` is never imported here: the engine owns
+the session and hands its IO to ``check_session_io``.
+"""
+
+from kvmux.daemon.model.builder import BUILTIN_SIZES, build_builtin, ensure_builtin
+from kvmux.daemon.model.config import (
+    IOInfo,
+    ModelSpec,
+    SearchDefaults,
+    check_session_io,
+    load_model,
+)
+from kvmux.daemon.model.errors import ModelFormatError
+from kvmux.daemon.model.tokenizer import IncrementalDecoder, Tokenizer
+
+__all__ = [
+    "BUILTIN_SIZES",
+    "IOInfo",
+    "IncrementalDecoder",
+    "ModelFormatError",
+    "ModelSpec",
+    "SearchDefaults",
+    "Tokenizer",
+    "build_builtin",
+    "check_session_io",
+    "ensure_builtin",
+    "load_model",
+]

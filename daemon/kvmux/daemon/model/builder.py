@@ -1,0 +1,547 @@
+"""Build kvmux's own deterministic random-weight decoder in onnxruntime-genai's folder format.
+
+The folder holds what onnxruntime-genai's model builder writes for a Llama-like
+model, so kvmux loads it through exactly the path a real exported model takes:
+
+- ``model.onnx``: a decoder with ``com.microsoft::GroupQueryAttention`` (inputs 0-8
+  only, rotary inside GQA), past/present KV in BNSH layout so one buffer can be
+  bound as both ``past_key_values.{i}.*`` and ``present.{i}.*``;
+- ``genai_config.json``: the keys genai's builder writes;
+- ``tokenizer.json`` (+ ``tokenizer_config.json``): a byte-level tokenizer, so any
+  UTF-8 text round-trips.
+
+Weights come from a fixed-seed NumPy generator: building twice gives byte-identical
+files. Weight scales are picked so logits are far from uniform and depend on the
+past tokens (a corrupted KV copy changes the logits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = [
+    "BUILTIN_SIZES",
+    "DTYPES",
+    "BuiltinSize",
+    "build_builtin",
+    "builtin_folder_name",
+    "ensure_builtin",
+]
+
+#: Bump when the builder's output changes, so cached folders are rebuilt.
+BUILDER_VERSION: Final = 1
+
+BOS_TOKEN: Final = "<s>"
+EOS_TOKEN: Final = "</s>"
+PAD_TOKEN: Final = "<pad>"
+SPECIAL_TOKENS: Final = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+
+MODEL_FILENAME: Final = "model.onnx"
+CONFIG_FILENAME: Final = "genai_config.json"
+TOKENIZER_FILENAME: Final = "tokenizer.json"
+TOKENIZER_CONFIG_FILENAME: Final = "tokenizer_config.json"
+
+OPSET: Final = 21
+IR_VERSION: Final = 10
+RMS_EPS: Final = 1e-6
+ROPE_THETA: Final = 10000.0
+
+
+@dataclass(frozen=True)
+class BuiltinSize:
+    """The shape of one built-in model."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    context_length: int
+    #: None: pure byte vocabulary (256 bytes + specials); else a trained byte-level BPE
+    bpe_vocab_size: int | None
+    seed: int
+
+
+BUILTIN_SIZES: Final[dict[str, BuiltinSize]] = {
+    "tiny": BuiltinSize(
+        name="tiny",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=16,
+        intermediate_size=128,
+        context_length=2048,
+        bpe_vocab_size=None,
+        seed=20240601,
+    ),
+    "small": BuiltinSize(
+        name="small",
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_size=64,
+        intermediate_size=1408,
+        context_length=8192,
+        bpe_vocab_size=4096,
+        seed=20240602,
+    ),
+}
+
+DTYPES: Final[dict[str, tuple[type[np.floating[Any]], int]]] = {
+    "float32": (np.float32, TensorProto.FLOAT),
+    "float16": (np.float16, TensorProto.FLOAT16),
+}
+
+
+def _size(size: str) -> BuiltinSize:
+    try:
+        return BUILTIN_SIZES[size]
+    except KeyError:
+        raise ValueError(
+            f"unknown built-in model size {size!r}; expected one of {sorted(BUILTIN_SIZES)}"
+        ) from None
+
+
+def _dtype(dtype: str) -> tuple[type[np.floating[Any]], int]:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"unknown model dtype {dtype!r}; expected one of {sorted(DTYPES)}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+_COMMON_WORDS: Final = (
+    "the of and to in is that it for on with as was at by be this are from or have an "
+    "not they which one you were her all she there would their we him been has when who "
+    "will more no if out so said what up its about into than them can only other new "
+    "some could time these two may then do first any my now such like our over man me "
+    "even most made after also did many before must through back years where much your "
+    "way well down should because each just those people how too little state good very "
+    "make world still own see men work long get here between both life being under never "
+    "day same another know while last might us great old year off come since against go "
+    "came right used take three session cache buffer token model decode growth capacity "
+    "memory device error bucket prompt daemon client server request reply"
+)
+_ONSETS: Final = "b c d f g h k l m n p r s t v z st tr ch sh th pl gr br"
+_VOWELS: Final = "a e i o u ai ea ou io"
+_CODAS: Final = "n r s t l m nd st ng"
+_FOREIGN: Final = (
+    "café naïve über straße niño 日本語 東京 中文 한국어 привет мир γειά שלום مرحبا 🙂 🚀 ✓ € — …"
+)
+_CODE: Final = "def return self import None True False () [] {} == != -> :: += 0x // # \" ' ; : , ."
+
+
+def _corpus(seed: int) -> list[str]:
+    """A deterministic synthetic corpus: English-ish words, numbers, code, some non-ASCII."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    common = _COMMON_WORDS.split()
+    onsets = _ONSETS.split()
+    vowels = _VOWELS.split()
+    codas = ["", "", *_CODAS.split()]
+    foreign = _FOREIGN.split()
+    code = _CODE.split()
+    lines: list[str] = []
+    for _ in range(3000):
+        n = int(rng.integers(4, 16))
+        words: list[str] = []
+        for _ in range(n):
+            r = float(rng.random())
+            if r < 0.55:
+                words.append(common[int(rng.integers(len(common)))])
+            elif r < 0.80:
+                syl = int(rng.integers(1, 4))
+                words.append(
+                    "".join(
+                        onsets[int(rng.integers(len(onsets)))]
+                        + vowels[int(rng.integers(len(vowels)))]
+                        + codas[int(rng.integers(len(codas)))]
+                        for _ in range(syl)
+                    )
+                )
+            elif r < 0.88:
+                words.append(str(int(rng.integers(0, 10_000))))
+            elif r < 0.95:
+                words.append(code[int(rng.integers(len(code)))])
+            else:
+                words.append(foreign[int(rng.integers(len(foreign)))])
+        line = " ".join(words)
+        if rng.random() < 0.3:
+            line = line.capitalize() + "."
+        lines.append(line)
+    return lines
+
+
+def _build_tokenizer(spec: BuiltinSize) -> tuple[Any, dict[str, int]]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if spec.bpe_vocab_size is None:
+        # One token per byte, token id == byte value; specials after the bytes.
+        alphabet = _bytes_to_unicode()
+        vocab = {alphabet[b]: b for b in range(256)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(list(SPECIAL_TOKENS))
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=spec.bpe_vocab_size,
+            min_frequency=2,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(t)
+        assert token_id is not None, t
+        ids[t] = int(token_id)
+    return tok, ids
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer uses)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+# --------------------------------------------------------------------------- graph
+
+
+class _Graph:
+    """Accumulates nodes and initializers with deterministic names."""
+
+    def __init__(self, np_dtype: type[np.floating[Any]], onnx_dtype: int) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.np_dtype = np_dtype
+        self.onnx_dtype = onnx_dtype
+
+    def init(self, name: str, array: np.ndarray[Any, Any]) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def weight(self, name: str, array: np.ndarray[Any, Any]) -> str:
+        return self.init(name, array.astype(self.np_dtype))
+
+    def node(
+        self,
+        op: str,
+        inputs: list[str],
+        outputs: list[str],
+        name: str,
+        domain: str = "",
+        **attrs: Any,
+    ) -> list[str]:
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs
+
+    def op(self, op: str, inputs: list[str], name: str, **attrs: Any) -> str:
+        return self.node(op, inputs, [f"{name}/out"], name, **attrs)[0]
+
+    def rms_norm(self, x: str, weight: str, name: str) -> str:
+        sq = self.op("Mul", [x, x], f"{name}/sq")
+        mean = self.op("ReduceMean", [sq, "const/axis_last"], f"{name}/mean", keepdims=1)
+        var = self.op("Add", [mean, "const/eps"], f"{name}/add_eps")
+        rms = self.op("Sqrt", [var], f"{name}/sqrt")
+        normed = self.op("Div", [x, rms], f"{name}/div")
+        return self.op("Mul", [normed, weight], f"{name}/scale")
+
+
+def _rope_caches(spec: BuiltinSize) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    half = spec.head_size // 2
+    inv_freq = 1.0 / (ROPE_THETA ** (np.arange(0, half, dtype=np.float64) * 2.0 / spec.head_size))
+    positions = np.arange(spec.context_length, dtype=np.float64)
+    angles = np.outer(positions, inv_freq)
+    return np.cos(angles), np.sin(angles)
+
+
+def _build_graph(spec: BuiltinSize, vocab_size: int, dtype: str) -> onnx.ModelProto:
+    np_dtype, onnx_dtype = _dtype(dtype)
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    g = _Graph(np_dtype, onnx_dtype)
+    h, d, nh, nkv, inter = (
+        spec.hidden_size,
+        spec.head_size,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.intermediate_size,
+    )
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray[Any, Any]:
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    def norm_weight() -> np.ndarray[Any, Any]:
+        return np.float32(1.0) + normal((h,), 0.1)
+
+    g.init("const/axis_last", np.array([-1], dtype=np.int64))
+    g.init("const/axis_1", np.array([1], dtype=np.int64))
+    g.init("const/one_i64", np.array(1, dtype=np.int64))
+    g.init("const/index_1", np.array(1, dtype=np.int64))
+    g.weight("const/eps", np.array(RMS_EPS, dtype=np.float32))
+    cos, sin = _rope_caches(spec)
+    g.weight("cos_cache", cos)
+    g.weight("sin_cache", sin)
+
+    # seqlens_k = ReduceSum(attention_mask, axis 1) - 1 as int32 [batch];
+    # total_sequence_length = Shape(attention_mask)[1] as an int32 scalar.
+    mask_sum = g.op("ReduceSum", ["attention_mask", "const/axis_1"], "mask/sum", keepdims=0)
+    mask_sub = g.op("Sub", [mask_sum, "const/one_i64"], "mask/sub")
+    seqlens_k = g.op("Cast", [mask_sub], "mask/seqlens_k", to=TensorProto.INT32)
+    mask_shape = g.op("Shape", ["attention_mask"], "mask/shape")
+    total_len_i64 = g.op("Gather", [mask_shape, "const/index_1"], "mask/total_len", axis=0)
+    total_len = g.op("Cast", [total_len_i64], "mask/total_len_i32", to=TensorProto.INT32)
+
+    # Embedding rows have unit scale; the residual stream starts there.
+    embed = g.weight("model.embed_tokens.weight", normal((vocab_size, h), 1.0))
+    x = g.op("Gather", [embed, "input_ids"], "model/embed", axis=0)
+
+    graph_inputs = [
+        helper.make_tensor_value_info(
+            "input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]
+        ),
+        helper.make_tensor_value_info(
+            "attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]
+        ),
+    ]
+    graph_outputs = [
+        helper.make_tensor_value_info(
+            "logits", onnx_dtype, ["batch_size", "sequence_length", vocab_size]
+        ),
+    ]
+    # q/k scales make attention peaked (scores of std ~2), so outputs depend on which
+    # past rows are where; v/o/mlp keep the residual stream at unit scale.
+    qk_std = 1.5 / np.sqrt(h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+        pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
+        past_dims: list[str | int] = ["batch_size", nkv, "past_sequence_length", d]
+        for name in (past_k, past_v):
+            graph_inputs.append(helper.make_tensor_value_info(name, onnx_dtype, past_dims))
+        for name in (pres_k, pres_v):
+            graph_outputs.append(
+                helper.make_tensor_value_info(
+                    name, onnx_dtype, ["batch_size", nkv, "total_sequence_length", d]
+                )
+            )
+
+        ln1 = g.weight(f"{p}.input_layernorm.weight", norm_weight())
+        xn = g.rms_norm(x, ln1, f"{p}/input_layernorm")
+        wq = g.weight(f"{p}.attn.q_proj.weight", normal((h, nh * d), qk_std))
+        wk = g.weight(f"{p}.attn.k_proj.weight", normal((h, nkv * d), qk_std))
+        wv = g.weight(f"{p}.attn.v_proj.weight", normal((h, nkv * d), 1.0 / np.sqrt(h)))
+        wo = g.weight(f"{p}.attn.o_proj.weight", normal((nh * d, h), 1.0 / np.sqrt(nh * d)))
+        q = g.op("MatMul", [xn, wq], f"{p}/attn/q_proj")
+        k = g.op("MatMul", [xn, wk], f"{p}/attn/k_proj")
+        v = g.op("MatMul", [xn, wv], f"{p}/attn/v_proj")
+        attn = g.node(
+            "GroupQueryAttention",
+            [q, k, v, past_k, past_v, seqlens_k, total_len, "cos_cache", "sin_cache"],
+            [f"{p}/attn/gqa/out", pres_k, pres_v],
+            f"{p}/attn/gqa",
+            domain="com.microsoft",
+            num_heads=nh,
+            kv_num_heads=nkv,
+            do_rotary=1,
+            rotary_interleaved=0,
+            local_window_size=-1,
+            scale=float(1.0 / np.sqrt(d)),
+        )[0]
+        o = g.op("MatMul", [attn, wo], f"{p}/attn/o_proj")
+        x = g.op("Add", [x, o], f"{p}/attn/residual")
+
+        ln2 = g.weight(f"{p}.post_attention_layernorm.weight", norm_weight())
+        xn = g.rms_norm(x, ln2, f"{p}/post_attention_layernorm")
+        wg = g.weight(f"{p}.mlp.gate_proj.weight", normal((h, inter), 1.0 / np.sqrt(h)))
+        wu = g.weight(f"{p}.mlp.up_proj.weight", normal((h, inter), 1.0 / np.sqrt(h)))
+        wd = g.weight(f"{p}.mlp.down_proj.weight", normal((inter, h), 1.0 / np.sqrt(inter)))
+        gate = g.op("MatMul", [xn, wg], f"{p}/mlp/gate_proj")
+        up = g.op("MatMul", [xn, wu], f"{p}/mlp/up_proj")
+        sig = g.op("Sigmoid", [gate], f"{p}/mlp/sigmoid")
+        silu = g.op("Mul", [gate, sig], f"{p}/mlp/silu")
+        act = g.op("Mul", [silu, up], f"{p}/mlp/act")
+        down = g.op("MatMul", [act, wd], f"{p}/mlp/down_proj")
+        x = g.op("Add", [x, down], f"{p}/mlp/residual")
+
+    lnf = g.weight("model.norm.weight", norm_weight())
+    xn = g.rms_norm(x, lnf, "model/norm")
+    # lm_head std 3/sqrt(h): logits of std ~3, a peaked but varied distribution.
+    lm = g.weight("lm_head.weight", normal((h, vocab_size), 3.0 / np.sqrt(h)))
+    g.node("MatMul", [xn, lm], ["logits"], "lm_head")
+
+    graph = helper.make_graph(
+        g.nodes, "kvmux-builtin", graph_inputs, graph_outputs, initializer=g.inits
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
+        producer_name="kvmux",
+        producer_version=str(BUILDER_VERSION),
+    )
+    model.ir_version = IR_VERSION
+    return model
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _genai_config(spec: BuiltinSize, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "model": {
+            "bos_token_id": ids[BOS_TOKEN],
+            "context_length": spec.context_length,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": MODEL_FILENAME,
+                "head_size": spec.head_size,
+                "hidden_size": spec.hidden_size,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+                "num_attention_heads": spec.num_heads,
+                "num_hidden_layers": spec.num_layers,
+                "num_key_value_heads": spec.num_kv_heads,
+            },
+            "eos_token_id": ids[EOS_TOKEN],
+            "pad_token_id": ids[PAD_TOKEN],
+            "type": "llama",
+            "vocab_size": vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": spec.context_length,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": True,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 50,
+            "top_p": 1.0,
+        },
+    }
+
+
+def _tokenizer_config(spec: BuiltinSize) -> dict[str, Any]:
+    return {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": BOS_TOKEN,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS_TOKEN,
+        "model_max_length": spec.context_length,
+        "pad_token": PAD_TOKEN,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=4, sort_keys=False) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- public
+
+
+def build_builtin(size: str, out_dir: Path, *, dtype: str = "float32") -> Path:
+    """Write the built-in model ``size`` ("tiny" or "small") into ``out_dir``; return it.
+
+    Deterministic: the same size and dtype give byte-identical files. Files already
+    in ``out_dir`` with the same names are overwritten.
+    """
+    spec = _size(size)
+    _dtype(dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tok, ids = _build_tokenizer(spec)
+    vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+    tok.save(str(out_dir / TOKENIZER_FILENAME), pretty=True)
+    _write_json(out_dir / TOKENIZER_CONFIG_FILENAME, _tokenizer_config(spec))
+
+    model = _build_graph(spec, vocab_size, dtype)
+    (out_dir / MODEL_FILENAME).write_bytes(model.SerializeToString(deterministic=True))
+    # Written last: a folder with genai_config.json has everything else already.
+    _write_json(out_dir / CONFIG_FILENAME, _genai_config(spec, vocab_size, ids))
+    return out_dir
+
+
+def builtin_folder_name(size: str, dtype: str = "float32") -> str:
+    """The cache folder name for a built-in model; it changes when the builder does."""
+    _size(size)
+    _dtype(dtype)
+    return f"kvmux-{size}-{dtype}-v{BUILDER_VERSION}"
+
+
+def ensure_builtin(size: str, cache_dir: Path, *, dtype: str = "float32") -> Path:
+    """Return the built-in model folder under ``cache_dir``, building it on first use.
+
+    The model is built in a temporary sibling folder and renamed into place, so the
+    final folder either exists complete or not at all, even after a crash. If another
+    process finishes first, its folder is used and ours is discarded.
+    """
+    cache_dir = Path(cache_dir)
+    final = cache_dir / builtin_folder_name(size, dtype)
+    if (final / CONFIG_FILENAME).is_file():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=cache_dir))
+    try:
+        build_builtin(size, tmp, dtype=dtype)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / CONFIG_FILENAME).is_file():
+                raise
+            # Lost a race to another builder: its folder is just as good.
+    finally:
+        if tmp.exists():
+            with contextlib.suppress(OSError):
+                shutil.rmtree(tmp)
+    return final

@@ -1,0 +1,164 @@
+"""The model's tokenizer (``tokenizer.json``) and a streaming detokenizer."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from kvmux.daemon.model.errors import ModelFormatError
+
+__all__ = ["IncrementalDecoder", "Tokenizer"]
+
+_REPLACEMENT: Final = "\ufffd"
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's printable character -> byte table (the ByteLevel decoder's inverse)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_CHAR_TO_BYTE: Final = _byte_level_table()
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    if decoder.get("type") == "Sequence":
+        kinds = [d.get("type") for d in decoder.get("decoders", []) if isinstance(d, dict)]
+        return kinds == ["ByteLevel"]
+    return False
+
+
+class Tokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer loaded from ``tokenizer.json``."""
+
+    def __init__(self, path: Path, *, bos_token_id: int | None = None) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:
+            raise ModelFormatError(
+                path.parent,
+                f"{path.name} could not be loaded ({exc}), expected a "
+                "Hugging Face tokenizers JSON file",
+            ) from exc
+        self.path = path
+        self.bos_token_id = bos_token_id
+        spec = json.loads(self._tok.to_str())
+        self.byte_level: bool = _is_byte_level(spec.get("decoder"))
+        self._special_ids: frozenset[int] = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        )
+
+    @classmethod
+    def from_folder(cls, folder: Path, *, bos_token_id: int | None = None) -> Tokenizer:
+        return cls(Path(folder) / "tokenizer.json", bos_token_id=bos_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``add_bos``, exactly one leading BOS.
+
+        Uses the tokenizer's own post-processor when it adds the BOS (Llama-style
+        tokenizer.json files do), else prepends ``bos_token_id``.
+        """
+        ids: list[int] = list(self._tok.encode(text, add_special_tokens=add_bos).ids)
+        if add_bos:
+            if self.bos_token_id is None:
+                raise ValueError(f"{self.path}: add_bos requested but no bos_token_id is known")
+            if not ids or ids[0] != self.bos_token_id:
+                ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes of one token of a byte-level tokenizer (None: not byte-level)."""
+        if not self.byte_level:
+            return None
+        if token_id in self._special_ids:
+            return b""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary ({self.vocab_size})")
+        try:
+            return bytes(_CHAR_TO_BYTE[c] for c in piece)
+        except KeyError:
+            # A non-special added token with ordinary text content.
+            return str(piece).encode("utf-8")
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self)
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text, one token at a time.
+
+    ``push(id)`` returns only newly completed text. A UTF-8 character whose bytes
+    are split across tokens is held back until complete, so an incomplete trailing
+    sequence never shows as U+FFFD; ``flush()`` returns what is left, with U+FFFD
+    only for bytes that never formed a valid character. Special tokens produce no
+    text. Concatenating every ``push`` and the ``flush`` equals ``Tokenizer.decode``
+    of all ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # Fallback for tokenizers that are not byte-level: decode a sliding window
+        # and emit the growth once it no longer ends in a partial character.
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        data = self._tok.token_bytes(token_id)
+        if data is not None:
+            return str(self._utf8.decode(data))
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        after = self._tok.decode(self._ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith(_REPLACEMENT):
+            self._prefix = self._read
+            self._read = len(self._ids)
+            return after[len(before) :]
+        return ""
+
+    def push_many(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.push(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete sequence becomes U+FFFD); resets the state."""
+        if self._tok.byte_level:
+            return str(self._utf8.decode(b"", final=True))
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        after = self._tok.decode(self._ids[self._prefix :])
+        self._ids.clear()
+        self._prefix = self._read = 0
+        return after[len(before) :]
