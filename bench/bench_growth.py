@@ -1,21 +1,18 @@
 """Host KV growth cost per bucket, as bytes/s against numpy.copyto of the same bytes.
 
 Both sides are measured in the same run, interleaved, so the ratio survives
-the ±30% drift of a shared machine. Usage: python bench/bench_growth.py [--quick]
+the ±30% drift of a shared machine. Usage: python -m bench.bench_growth [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+from bench.common import write_json
 from kvmux.kv import HostKvCache, KvSpec, ensure_capacity, resolve_hard_max
 
 # One Llama-8B-like layer group: 8 KV heads of 128, fp16. Four layers keep a
@@ -51,7 +48,6 @@ def _copyto_once(capacity: int, fresh: bool) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    ap.add_argument("--json", type=Path, default=Path("bench/results/growth.json"))
     args = ap.parse_args(argv)
     sizes = [256, 1024, 4096] if args.quick else [256, 1024, 4096, 8192, 16384]
     repeats = 3 if args.quick else 7
@@ -88,13 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {f / g:>9.2f} {w / g:>8.2f}"
         )
     print("ratio = copyto time / growth time (1.0 = growth costs what the bare copy costs)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {"machine": platform.platform(), "python": sys.version.split()[0], "rows": rows},
-            indent=2,
-        )
-    )
+    print(f"written {write_json('growth', {'spec': str(SPEC), 'rows': rows})}")
     return 0
 
 

@@ -14,8 +14,9 @@ from ._errors import BudgetExceeded, CapacityExceeded, GrowthFailed, InjectedFau
 S = TypeVar("S")
 
 CAPACITY_LEVERS = (
-    "set a smaller explicit cap only if the output may stop earlier (per-item max_context)",
-    "shorten the prompt or lower max_new_tokens so prompt + output fits the hard maximum",
+    "shorten the prompt so it fits the hard maximum",
+    "raise or drop the explicit cap (per-item max_context, kv.max_len) when it is below "
+    "the model's maximum",
     "use a model with a longer declared context if the task needs it",
 )
 GROWTH_LEVERS = (
