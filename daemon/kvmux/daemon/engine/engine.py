@@ -23,7 +23,7 @@ from kvmux.kv import (
     resolve_hard_max,
 )
 
-from ..model import ModelSpec, Tokenizer, check_session_io, load_model
+from ..model import ModelFormatError, ModelSpec, Tokenizer, check_session_io, load_model
 from .errors import BadPrompt, RunFailed
 from .runtime import OrtSession, create_session
 from .sampling import SamplingParams, resolve_sampling
@@ -93,7 +93,10 @@ class Engine:
         self.device_id = self.options.device_id if self.on_cuda else 0
         kv_dtype = _KV_DTYPES.get(np.dtype(self.spec.kv_dtype))
         if kv_dtype is None:
-            raise BadPrompt(f"unsupported KV dtype {self.spec.kv_dtype} in {self.spec.folder}")
+            raise ModelFormatError(
+                self.spec.folder,
+                f"KV dtype {self.spec.kv_dtype} is not supported (float32 or float16 expected)",
+            )
         self.kv_spec = KvSpec(
             num_layers=self.spec.num_layers,
             kv_heads=self.spec.num_kv_heads,
