@@ -77,6 +77,7 @@ class DecodeSession:
         self._io = engine.ort.session.io_binding()
         self._bound_generation = -1
         self._graph_options: Any = None
+        self._decode_io_bound = False
         self._xp = cache.xp
         self._device = "cuda" if engine.on_cuda else "cpu"
         spec = engine.spec
@@ -165,6 +166,7 @@ class DecodeSession:
         self._io.clear_binding_inputs()
         self._io.clear_binding_outputs()
         self._bound_generation = -1
+        self._decode_io_bound = False
 
     # -- the run ------------------------------------------------------------
     def _bind_cache(self) -> None:
@@ -217,11 +219,15 @@ class DecodeSession:
             ids = xp.asarray(np.asarray([tokens], dtype=spec.input_ids_dtype))
             logits = xp.empty((1, n, spec.vocab_size), dtype=spec.logits_dtype)
             pos = xp.asarray(np.arange(start, start + n, dtype=np.int64)[None, :])
-        did = engine.device_id
-        io.bind_input(spec.input_ids_name, dev, did, ids.dtype, ids.shape, _ptr(ids))
-        if spec.position_ids_name is not None:
-            io.bind_input(spec.position_ids_name, dev, did, pos.dtype, pos.shape, _ptr(pos))
-        io.bind_output(spec.logits_name, dev, did, logits.dtype, logits.shape, _ptr(logits))
+        # A decode step's buffers never move, so they are bound once; a prefill
+        # chunk binds its own and the next decode step binds them back.
+        if n != 1 or not self._decode_io_bound:
+            did = engine.device_id
+            io.bind_input(spec.input_ids_name, dev, did, ids.dtype, ids.shape, _ptr(ids))
+            if spec.position_ids_name is not None:
+                io.bind_input(spec.position_ids_name, dev, did, pos.dtype, pos.shape, _ptr(pos))
+            io.bind_output(spec.logits_name, dev, did, logits.dtype, logits.shape, _ptr(logits))
+            self._decode_io_bound = n == 1
         run_options = None
         if n == 1 and engine.graphs_enabled:
             # Growth invalidated the capture (new addresses, new mask width):
@@ -230,6 +236,10 @@ class DecodeSession:
                 self._graph_options = engine.run_options(engine.next_graph_id())
             run_options = self._graph_options
         cache.advance(n)
+        if dev == "cuda":
+            # Inputs were written on CuPy's stream; onnxruntime runs on its own
+            # (non-blocking) stream and must not read them before they land.
+            xp.cuda.get_current_stream().synchronize()
         try:
             engine.run(io, run_options)
         except Exception as exc:
