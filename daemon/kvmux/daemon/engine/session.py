@@ -50,8 +50,9 @@ class DecodeSession:
     The same buffer is bound as ``past_key_values.i.*`` and ``present.i.*``: the
     model writes only the new rows. Before every run the host checks that the
     step fits the capacity and grows through :func:`kvmux.kv.ensure_capacity`
-    if it does not — the run itself never writes past a buffer. The daemon
-    grows first, under its growth lock, so this check is then a no-op.
+    if it does not — the run itself never writes past a buffer. A caller that
+    grows first (through :meth:`ensure_capacity`, e.g. under a growth lock)
+    makes that check a no-op.
     """
 
     def __init__(

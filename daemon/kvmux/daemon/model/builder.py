@@ -30,6 +30,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from kvmux.daemon.model.tokenizer import bytes_to_unicode
+
 __all__ = [
     "BUILTIN_SIZES",
     "DTYPES",
@@ -196,7 +198,7 @@ def _build_tokenizer(spec: BuiltinSize) -> tuple[Any, dict[str, int]]:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if spec.bpe_vocab_size is None:
         # One token per byte, token id == byte value; specials after the bytes.
-        alphabet = _bytes_to_unicode()
+        alphabet = bytes_to_unicode()
         vocab = {alphabet[b]: b for b in range(256)}
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = byte_level
@@ -220,23 +222,6 @@ def _build_tokenizer(spec: BuiltinSize) -> tuple[Any, dict[str, int]]:
         assert token_id is not None, t
         ids[t] = int(token_id)
     return tok, ids
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer uses)."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 # --------------------------------------------------------------------------- graph

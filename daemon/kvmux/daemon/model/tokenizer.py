@@ -15,8 +15,8 @@ __all__ = ["IncrementalDecoder", "Tokenizer"]
 _REPLACEMENT: Final = "\ufffd"
 
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's printable character -> byte table (the ByteLevel decoder's inverse)."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer uses)."""
     bs = (
         list(range(ord("!"), ord("~") + 1))
         + list(range(ord("¡"), ord("¬") + 1))
@@ -29,10 +29,11 @@ def _byte_level_table() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
-_CHAR_TO_BYTE: Final = _byte_level_table()
+# The ByteLevel decoder's inverse: printable character -> byte.
+_CHAR_TO_BYTE: Final = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _is_byte_level(decoder: Any) -> bool:
