@@ -171,3 +171,17 @@ class ArrayKvCache:
 
     def memory(self) -> MemoryInfo | None:
         return self.budget.memory()
+
+    # -- addresses for binding by pointer ----------------------------------
+    def ptr(self, array: Any) -> int:
+        """The address of an array of this cache's module (host or device)."""
+        raise NotImplementedError
+
+    def key_ptr(self, layer: int) -> int:
+        return self.ptr(self.keys[layer])
+
+    def value_ptr(self, layer: int) -> int:
+        return self.ptr(self.values[layer])
+
+    def mask_ptr(self) -> int:
+        return self.ptr(self.mask)

@@ -68,11 +68,5 @@ class CudaKvCache(ArrayKvCache):
             free, total = self._cupy.cuda.runtime.memGetInfo()
         return MemoryInfo(int(free), int(total), f"cudaMemGetInfo (device {self.device_id})")
 
-    def key_ptr(self, layer: int) -> int:
-        return int(self.keys[layer].data.ptr)
-
-    def value_ptr(self, layer: int) -> int:
-        return int(self.values[layer].data.ptr)
-
-    def mask_ptr(self) -> int:
-        return int(self.mask.data.ptr)
+    def ptr(self, array: Any) -> int:
+        return int(array.data.ptr)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ._budget import MemoryBudget, MemoryInfo, host_memory
@@ -26,8 +28,5 @@ class HostKvCache(ArrayKvCache):
     def memory(self) -> MemoryInfo | None:
         return self.budget.memory() or host_memory()
 
-    def key_ptr(self, layer: int) -> int:
-        return int(self.keys[layer].ctypes.data)
-
-    def value_ptr(self, layer: int) -> int:
-        return int(self.values[layer].ctypes.data)
+    def ptr(self, array: Any) -> int:
+        return int(array.ctypes.data)

@@ -24,7 +24,6 @@ class StepOutput:
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None
-    ran: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +36,6 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     seed: int
-
-
-def _ptr(array: Any) -> int:
-    data = array.data
-    return int(data.ptr) if hasattr(data, "ptr") else int(array.ctypes.data)
 
 
 class DecodeSession:
@@ -113,7 +107,7 @@ class DecodeSession:
         if not self.prefilling and self.at_hard_max():
             # The context is full: stop like a length limit (as vLLM does at
             # max_model_len). Prompts over the limit were refused at admission.
-            return self._finish("length", ran=False)
+            return self._finish("length")
         if self.required_capacity() > self.cache.capacity:
             self.ensure_capacity()
         if self.prefilling:
@@ -142,12 +136,10 @@ class DecodeSession:
         self._pending = token
         return StepOutput([token], text)
 
-    def _finish(
-        self, reason: str, tokens: list[int] | None = None, text: str = "", *, ran: bool = True
-    ) -> StepOutput:
+    def _finish(self, reason: str, tokens: list[int] | None = None, text: str = "") -> StepOutput:
         self.finished = True
         self.finish_reason = reason
-        return StepOutput(tokens or [], text + self.stream.finish(), True, reason, ran)
+        return StepOutput(tokens or [], text + self.stream.finish(), True, reason)
 
     def completion(self) -> Completion:
         if not self.finished or self.finish_reason is None:
@@ -175,7 +167,7 @@ class DecodeSession:
         shape = cache.spec.buffer_shape(cache.capacity)
         kv_type = spec.kv_dtype
         for layer in range(spec.num_layers):
-            k, v = _ptr(cache.keys[layer]), _ptr(cache.values[layer])
+            k, v = cache.key_ptr(layer), cache.value_ptr(layer)
             io.bind_input(spec.past_key_names[layer], dev, self.engine.device_id, kv_type, shape, k)
             io.bind_input(
                 spec.past_value_names[layer], dev, self.engine.device_id, kv_type, shape, v
@@ -192,7 +184,7 @@ class DecodeSession:
             self.engine.device_id,
             cache.mask.dtype,
             cache.mask.shape,
-            _ptr(cache.mask),
+            cache.mask_ptr(),
         )
         self._bound_generation = cache.capture_generation
 
@@ -224,10 +216,14 @@ class DecodeSession:
         # chunk binds its own and the next decode step binds them back.
         if n != 1 or not self._decode_io_bound:
             did = engine.device_id
-            io.bind_input(spec.input_ids_name, dev, did, ids.dtype, ids.shape, _ptr(ids))
+            io.bind_input(spec.input_ids_name, dev, did, ids.dtype, ids.shape, cache.ptr(ids))
             if spec.position_ids_name is not None:
-                io.bind_input(spec.position_ids_name, dev, did, pos.dtype, pos.shape, _ptr(pos))
-            io.bind_output(spec.logits_name, dev, did, logits.dtype, logits.shape, _ptr(logits))
+                io.bind_input(
+                    spec.position_ids_name, dev, did, pos.dtype, pos.shape, cache.ptr(pos)
+                )
+            io.bind_output(
+                spec.logits_name, dev, did, logits.dtype, logits.shape, cache.ptr(logits)
+            )
             self._decode_io_bound = n == 1
         run_options = None
         if n == 1 and engine.graphs_enabled:
