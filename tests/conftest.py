@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from kvmux.daemon.model import ensure_builtin
 from kvmux.kv import cuda_unavailable_reason, failpoints
 
 
@@ -26,3 +28,9 @@ def _no_leftover_failpoints() -> Iterator[None]:
     failpoints.disarm()
     yield
     failpoints.disarm()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in tiny model, built once per test run."""
+    return ensure_builtin("tiny", tmp_path_factory.mktemp("models"))

@@ -5,12 +5,6 @@ from pathlib import Path
 import pytest
 
 from kvmux.daemon.engine import Engine, EngineOptions
-from kvmux.daemon.model import ensure_builtin
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_builtin("tiny", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")

@@ -85,3 +85,23 @@ def test_invalid_env_fails_loudly_at_start() -> None:
     proc = _run("kv.copy_prefx", "import kvmux.kv")
     assert proc.returncode != 0
     assert "unknown failpoint 'kv.copy_prefx'" in proc.stderr
+
+
+def test_a_slowed_failpoint_sleeps_without_failing() -> None:
+    import time
+
+    failpoints.slow("kv.copy_prefix", 0.05)
+    t0 = time.perf_counter()
+    failpoints.hit("kv.copy_prefix")  # sleeps, does not raise
+    assert time.perf_counter() - t0 >= 0.045
+    t0 = time.perf_counter()
+    failpoints.hit("kv.allocate")  # other names are not slowed
+    assert time.perf_counter() - t0 < 0.01
+    failpoints.disarm("kv.copy_prefix")
+    t0 = time.perf_counter()
+    failpoints.hit("kv.copy_prefix")
+    assert time.perf_counter() - t0 < 0.01
+    with pytest.raises(KvConfigError, match="unknown failpoint"):
+        failpoints.slow("kv.nope", 1.0)
+    with pytest.raises(KvConfigError, match="positive"):
+        failpoints.slow("kv.allocate", 0.0)

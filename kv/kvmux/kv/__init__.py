@@ -12,7 +12,7 @@ from ._backend import GrowthBackend, GrowthResult
 from ._bucket import DEFAULT_MIN_BUCKET, MIN_BUCKET_ENV, capacity_bucket, resolve_min_bucket
 from ._budget import MemoryBudget, MemoryInfo, host_memory
 from ._buffers import ArrayKvCache, StagedBuffers
-from ._cuda import CudaKvCache, cuda_unavailable_reason
+from ._cuda import CudaKvCache, cuda_memory, cuda_unavailable_reason
 from ._driver import classify_cause, ensure_capacity
 from ._errors import (
     BudgetExceeded,
@@ -48,6 +48,7 @@ __all__ = [
     "StagedBuffers",
     "capacity_bucket",
     "classify_cause",
+    "cuda_memory",
     "cuda_unavailable_reason",
     "ensure_capacity",
     "failpoints",

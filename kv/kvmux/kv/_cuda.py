@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._budget import MemoryBudget, MemoryInfo
-from ._buffers import ArrayKvCache
+from ._buffers import ArrayKvCache, StagedBuffers
 from ._errors import KvConfigError
 from ._hardmax import HardMax
 from ._spec import KvSpec
@@ -27,6 +27,15 @@ def cuda_unavailable_reason() -> str | None:
     if count == 0:
         return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)"
     return None
+
+
+def cuda_memory(device_id: int) -> MemoryInfo:
+    """Free/total bytes of one device now, from ``cudaMemGetInfo``."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        free, total = cupy.cuda.runtime.memGetInfo()
+    return MemoryInfo(int(free), int(total), f"cudaMemGetInfo (device {device_id})")
 
 
 class CudaKvCache(ArrayKvCache):
@@ -56,17 +65,30 @@ class CudaKvCache(ArrayKvCache):
         with cupy.cuda.Device(device_id):
             super().__init__(spec, hard_max, xp=cupy, min_bucket=min_bucket, budget=budget)
 
+    # The daemon grows sessions on a thread other than the one that runs the
+    # model, so every primitive names its device, and the copy is complete
+    # before the driver commits: the next run may read the buffers from
+    # onnxruntime's own stream.
     def allocate(self, new_capacity: int) -> Any:
         with self._cupy.cuda.Device(self.device_id):
             return super().allocate(new_capacity)
+
+    def copy_prefix(self, staged: StagedBuffers) -> int:
+        with self._cupy.cuda.Device(self.device_id):
+            copied = super().copy_prefix(staged)
+            self._cupy.cuda.get_current_stream().synchronize()
+        return copied
+
+    def build_mask(self, staged: StagedBuffers) -> None:
+        with self._cupy.cuda.Device(self.device_id):
+            super().build_mask(staged)
+            self._cupy.cuda.get_current_stream().synchronize()
 
     def memory(self) -> MemoryInfo | None:
         budget = self.budget.memory()
         if budget is not None:
             return budget
-        with self._cupy.cuda.Device(self.device_id):
-            free, total = self._cupy.cuda.runtime.memGetInfo()
-        return MemoryInfo(int(free), int(total), f"cudaMemGetInfo (device {self.device_id})")
+        return cuda_memory(self.device_id)
 
     def ptr(self, array: Any) -> int:
         return int(array.data.ptr)

@@ -2,13 +2,15 @@
 
 ``KVMUX_FAILPOINTS="kv.copy_prefix"`` fails that step every time;
 ``"kv.copy_prefix=2,kv.allocate=1"`` fails the next two copies and the next
-allocation. Unarmed, :func:`hit` is one truthiness test of an empty dict.
+allocation. :func:`slow` makes a step sleep instead of fail, to hold a race
+window open in tests. Unarmed, :func:`hit` is two truthiness tests of empty dicts.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,6 +21,7 @@ ALWAYS = -1
 
 _known: set[str] = {"kv.allocate", "kv.copy_prefix", "kv.build_mask", "kv.invalidate_capture"}
 _armed: dict[str, int] = {}
+_slow: dict[str, float] = {}
 _lock = threading.Lock()
 
 
@@ -41,13 +44,25 @@ def arm(name: str, times: int = ALWAYS) -> None:
         _armed[name] = times
 
 
+def slow(name: str, seconds: float) -> None:
+    """Sleep ``seconds`` at every hit of ``name`` until disarmed (a slow copy, say)."""
+    if name not in _known:
+        raise KvConfigError(f"unknown failpoint {name!r}; known: {', '.join(sorted(_known))}")
+    if not seconds > 0:
+        raise KvConfigError(f"failpoint {name} delay must be positive, got {seconds}")
+    with _lock:
+        _slow[name] = seconds
+
+
 def disarm(name: str | None = None) -> None:
-    """Disarm one failpoint, or all of them."""
+    """Disarm one failpoint (its failure and its delay), or all of them."""
     with _lock:
         if name is None:
             _armed.clear()
+            _slow.clear()
         else:
             _armed.pop(name, None)
+            _slow.pop(name, None)
 
 
 def armed() -> dict[str, int]:
@@ -66,7 +81,11 @@ def armed_for(name: str, times: int = ALWAYS) -> Iterator[None]:
 
 
 def hit(name: str) -> None:
-    """Raise :class:`InjectedFault` if ``name`` is armed; count the hit down."""
+    """Sleep if ``name`` is slowed; raise :class:`InjectedFault` if it is armed."""
+    if _slow:
+        delay = _slow.get(name)
+        if delay is not None:
+            time.sleep(delay)
     if not _armed:
         return
     with _lock:

@@ -1,6 +1,6 @@
 """The decode engine: onnxruntime sessions over growing, shared KV buffers."""
 
-from .engine import Engine, EngineOptions
+from .engine import Admission, Engine, EngineOptions
 from .errors import BadPrompt, EngineError, RunFailed, RuntimeUnavailable
 from .runtime import create_session, import_onnxruntime
 from .sampling import ResolvedSampling, Sampler, SamplingParams, resolve_sampling
@@ -8,6 +8,7 @@ from .session import Completion, DecodeSession, StepOutput
 from .text import TextStream
 
 __all__ = [
+    "Admission",
     "BadPrompt",
     "Completion",
     "DecodeSession",

@@ -7,33 +7,15 @@ bytes copied, and the KV bytes in use at the end (zero once released).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
 
 from kvmux.kv import KvError
 
-from ..model import BUILTIN_SIZES, ModelFormatError, ensure_builtin
+from ..model import ModelFormatError, resolve_model
 from .engine import Engine, EngineOptions
 from .errors import EngineError
 from .sampling import SamplingParams
-
-
-def default_model_cache() -> Path:
-    """Where built-in models are built on first use: $KVMUX_MODEL_CACHE or the user cache."""
-    env = os.environ.get("KVMUX_MODEL_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvmux" / "models"
-
-
-def resolve_model(name: str) -> Path:
-    """A built-in size (built on first use) or a model folder path."""
-    if name in BUILTIN_SIZES:
-        return ensure_builtin(name, default_model_cache())
-    return Path(name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,22 +18,35 @@ from kvmux.kv import (
     HostKvCache,
     KvSpec,
     MemoryBudget,
+    MemoryInfo,
     classify_cause,
+    cuda_memory,
     ensure_capacity,
     failpoints,
+    host_memory,
     resolve_hard_max,
 )
 
 from ..model import ModelFormatError, ModelSpec, Tokenizer, check_session_io, load_model
 from .errors import BadPrompt, RunFailed
 from .runtime import OrtSession, create_session
-from .sampling import SamplingParams, resolve_sampling
-from .session import Completion, DecodeSession
+from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
+from .session import Completion, DecodeSession, StepOutput
 
 log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.run")
+failpoints.register("engine.step")
 
 _KV_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """An item that passed validation: what a session needs, no memory taken yet."""
+
+    prompt_ids: list[int]
+    sampling: ResolvedSampling
+    hard_max: HardMax
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +185,36 @@ class Engine:
             self.kv_spec, hard_max, min_bucket=self.options.min_bucket, budget=self.budget
         )
 
+    def admit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        max_context: int | None = None,
+    ) -> Admission:
+        """Validate one item without taking KV memory: its ids, sampling and ceiling.
+
+        Raises :class:`BadPrompt`, or :class:`~kvmux.kv.CapacityExceeded` if the
+        prompt alone is over the item's hard maximum.
+        """
+        if max_context is not None and max_context <= 0:
+            raise BadPrompt(f"max_context must be positive, got {max_context}")
+        ids = self.encode(prompt)
+        sampling = resolve_sampling(params or SamplingParams(), self.spec.search)
+        hard_max = self.hard_max_for(max_context)
+        if hard_max.value is not None and len(ids) > hard_max.value:
+            # A cache of capacity 0 holds no memory; the driver raises the
+            # error with its full diagnostics before allocating anything.
+            ensure_capacity(self.new_cache(hard_max), len(ids))
+        return Admission(ids, sampling, hard_max)
+
+    def open_session(self, admission: Admission, session_id: str | None = None) -> DecodeSession:
+        """A decode session for an admitted item; its cache starts empty (capacity 0)."""
+        sid = session_id or f"s{next(self._ids)}"
+        return DecodeSession(
+            self, admission.prompt_ids, admission.sampling, self.new_cache(admission.hard_max), sid
+        )
+
     def new_session(
         self,
         prompt: str | list[int],
@@ -179,18 +223,23 @@ class Engine:
         max_context: int | None = None,
         session_id: str | None = None,
     ) -> DecodeSession:
-        """Validate and admit one item. Raises :class:`~kvmux.kv.CapacityExceeded` if the
-        prompt alone is over the hard maximum, before any KV memory is taken."""
-        if max_context is not None and max_context <= 0:
-            raise BadPrompt(f"max_context must be positive, got {max_context}")
-        ids = self.encode(prompt)
-        sampling = resolve_sampling(params or SamplingParams(), self.spec.search)
-        cache = self.new_cache(self.hard_max_for(max_context))
-        hard = cache.hard_max.value
-        if hard is not None and len(ids) > hard:
-            ensure_capacity(cache, len(ids))  # raises CapacityExceeded with full diagnostics
-        sid = session_id or f"s{next(self._ids)}"
-        return DecodeSession(self, ids, sampling, cache, sid)
+        """:meth:`admit` and :meth:`open_session` in one call."""
+        return self.open_session(self.admit(prompt, params, max_context=max_context), session_id)
+
+    def step_many(self, sessions: Sequence[DecodeSession]) -> list[StepOutput | Exception]:
+        """One step of each ready session; a session's failure is its own entry.
+
+        The scheduler hands over the whole ready set, so running several
+        sessions as one batched model run is a change here, not there.
+        """
+        out: list[StepOutput | Exception] = []
+        for session in sessions:
+            try:
+                failpoints.hit("engine.step")
+                out.append(session.step())
+            except Exception as exc:  # noqa: BLE001 - the scheduler fails that item alone
+                out.append(exc)
+        return out
 
     def generate(
         self,
@@ -207,6 +256,16 @@ class Engine:
             return session.completion()
         finally:
             session.release()
+
+    def memory(self) -> MemoryInfo | None:
+        """Memory as growth errors report it: the KV budget if one is set, else the device's."""
+        budget = self.budget.memory()
+        if budget is not None:
+            return budget
+        try:
+            return cuda_memory(self.device_id) if self.on_cuda else host_memory()
+        except Exception:  # noqa: BLE001 - a status probe must not fail the caller
+            return None
 
     # -- runs -------------------------------------------------------------------
     def run(self, io: Any, run_options: Any = None) -> None:

@@ -6,6 +6,7 @@ the session and hands its IO to ``check_session_io``.
 """
 
 from kvmux.daemon.model.builder import BUILTIN_SIZES, build_builtin, ensure_builtin
+from kvmux.daemon.model.cache import MODEL_CACHE_ENV, default_model_cache, resolve_model
 from kvmux.daemon.model.config import (
     IOInfo,
     ModelSpec,
@@ -18,6 +19,7 @@ from kvmux.daemon.model.tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = [
     "BUILTIN_SIZES",
+    "MODEL_CACHE_ENV",
     "IOInfo",
     "IncrementalDecoder",
     "ModelFormatError",
@@ -26,6 +28,8 @@ __all__ = [
     "Tokenizer",
     "build_builtin",
     "check_session_io",
+    "default_model_cache",
     "ensure_builtin",
     "load_model",
+    "resolve_model",
 ]

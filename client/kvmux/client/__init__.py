@@ -1,0 +1,49 @@
+"""kvmux.client: the wire protocol, the async client and the ``kvmux`` CLI.
+
+Installs without onnxruntime: nothing here imports the daemon or the engine.
+"""
+
+from ._client import Client, Job
+from .endpoint import ENDPOINT_ENV, client_default_endpoint, daemon_default_endpoint
+from .errors import (
+    BadRequest,
+    Cancelled,
+    CapacityExceeded,
+    DaemonUnreachable,
+    GrowthFailed,
+    Internal,
+    KvmuxError,
+    NotFound,
+    Overloaded,
+    RunFailed,
+    ShuttingDown,
+    VersionMismatch,
+    error_from_info,
+)
+from .protocol import PROTOCOL_VERSION, DaemonStatus, Event, Item, ItemResult
+
+__all__ = [
+    "ENDPOINT_ENV",
+    "PROTOCOL_VERSION",
+    "BadRequest",
+    "Cancelled",
+    "CapacityExceeded",
+    "Client",
+    "DaemonStatus",
+    "DaemonUnreachable",
+    "Event",
+    "GrowthFailed",
+    "Internal",
+    "Item",
+    "ItemResult",
+    "Job",
+    "KvmuxError",
+    "NotFound",
+    "Overloaded",
+    "RunFailed",
+    "ShuttingDown",
+    "VersionMismatch",
+    "client_default_endpoint",
+    "daemon_default_endpoint",
+    "error_from_info",
+]

@@ -1,0 +1,304 @@
+"""The async Python client: connect, submit jobs, stream their events, cancel, status, logs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Iterable
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from . import protocol as p
+from .endpoint import client_default_endpoint, ipc_path
+from .errors import BadRequest, DaemonUnreachable, KvmuxError, error_from_info
+
+# A daemon silent for this many heartbeat intervals is taken as gone.
+_SILENT_INTERVALS = 5
+
+
+class Job:
+    """A submitted (or re-attached) job: iterate its events, or wait for its results.
+
+    Results are kept by item index as they finish. If the event stream ever
+    misses one (the daemon dropped a message to a slow client), :meth:`results`
+    fetches the rest by re-attaching, so no result is lost.
+    """
+
+    def __init__(self, client: Client, job_id: str, total: int) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.total = total
+        self.results_by_index: dict[int, p.ItemResult] = {}
+        self.finished = False
+        self._queue: asyncio.Queue[p.Event | KvmuxError] = asyncio.Queue()
+
+    def _push(self, event: p.Event | KvmuxError) -> None:
+        if isinstance(event, p.ItemFinished):
+            self.results_by_index[event.result.index] = event.result
+        self._queue.put_nowait(event)
+
+    def _seed(self, results: Iterable[p.ItemResult], done: bool) -> None:
+        for r in results:
+            self.results_by_index[r.index] = r
+        if done:
+            self.finished = True
+
+    async def events(self) -> AsyncIterator[p.Event]:
+        """Every event of this job as it happens, ending after :class:`JobFinished`."""
+        if self.finished and self._queue.empty():
+            return
+        while True:
+            ev = await self._queue.get()
+            if isinstance(ev, KvmuxError):
+                raise ev
+            yield ev
+            if isinstance(ev, p.JobFinished):
+                self.finished = True
+                return
+
+    async def results(self) -> list[p.ItemResult]:
+        """Wait for the job to finish; every item's result, in item order."""
+        if not self.finished:
+            async for _ in self.events():
+                pass
+        if len(self.results_by_index) < self.total:
+            attached = await self.client._attach_reply(self.job_id)
+            for r in attached.results:
+                self.results_by_index[r.index] = r
+        return [self.results_by_index[i] for i in sorted(self.results_by_index)]
+
+    def close(self) -> None:
+        """Stop routing this job's events here (the job itself keeps running)."""
+        self.client._jobs.pop(self.job_id, None)
+
+
+class Client:
+    """A connection to kvmuxd over a ZeroMQ DEALER socket.
+
+    Use as ``async with Client(endpoint) as c: job = await c.submit(items)``.
+    Replies are matched to requests by id; job events are routed to their
+    :class:`Job`. While connected the client heartbeats, so the daemon keeps its
+    jobs; a job submitted with ``detach=True`` survives the client's exit.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 10.0,
+        name: str = "kvmux-python",
+        curve: tuple[bytes, bytes, bytes] | None = None,
+    ) -> None:
+        self.endpoint = endpoint or client_default_endpoint()
+        self.timeout = timeout
+        self.name = name
+        self.welcome: p.Welcome | None = None
+        self._curve = curve
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[p.Reply]] = {}
+        self._jobs: dict[str, Job] = {}
+        self._logs: asyncio.Queue[p.LogEvents] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_recv = time.monotonic()
+        self._lost: KvmuxError | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+    async def __aenter__(self) -> Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def connect(self) -> p.Welcome:
+        """Open the socket and say hello; :class:`DaemonUnreachable` if nobody answers."""
+        path = ipc_path(self.endpoint)
+        if path is not None and not path.exists():
+            raise self._unreachable(f"no socket at {path}")
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            server_public, public, secret = self._curve
+            sock.curve_serverkey = server_public
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        sock.connect(self.endpoint)
+        self._sock = sock
+        self._tasks.append(asyncio.create_task(self._receive_loop()))
+        try:
+            reply = await self._request(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name))
+        except TimeoutError:
+            await self.close()
+            raise self._unreachable(f"no answer within {self.timeout:g} s") from None
+        except BaseException:
+            await self.close()
+            raise
+        assert isinstance(reply, p.Welcome)
+        self.welcome = reply
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(reply.heartbeat_interval)))
+        return reply
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        self._fail_all(DaemonUnreachable(f"client for {self.endpoint} closed"))
+
+    def _unreachable(self, why: str) -> DaemonUnreachable:
+        return DaemonUnreachable(
+            f"kvmuxd is not reachable at {self.endpoint} ({why}). Start it with "
+            "`kvmuxd --config FILE` (or `systemctl start kvmuxd`), or point the client "
+            "elsewhere with --endpoint / $KVMUX_ENDPOINT.",
+            {"endpoint": self.endpoint, "reason": why},
+        )
+
+    # -- requests ------------------------------------------------------------
+    async def submit(self, items: Iterable[p.Item], *, detach: bool = False, name: str = "") -> Job:
+        """Submit a job. Items are checked locally first (:class:`BadRequest` names the item)."""
+        checked = []
+        for i, item in enumerate(items):
+            try:
+                checked.append(p.check_item(item))
+            except (msgspec.ValidationError, ValueError) as exc:
+                raise BadRequest(
+                    f"item {i} ({item.custom_id!r}): {exc}", {"index": i, "reason": str(exc)}
+                ) from exc
+        reply = await self._request(p.Submit(id=0, items=checked, detach=detach, name=name))
+        assert isinstance(reply, p.Accepted)
+        return self._jobs[reply.job_id]
+
+    async def attach(self, job_id: str) -> Job:
+        """Re-attach to a job (e.g. submitted with ``detach=True`` by an earlier client)."""
+        await self._attach_reply(job_id)
+        return self._jobs[job_id]
+
+    async def _attach_reply(self, job_id: str) -> p.Attached:
+        reply = await self._request(p.Attach(id=0, job_id=job_id))
+        assert isinstance(reply, p.Attached)
+        return reply
+
+    async def cancel(self, job_id: str) -> None:
+        await self._request(p.Cancel(id=0, job_id=job_id))
+
+    async def detach(self, job_id: str) -> None:
+        await self._request(p.Detach(id=0, job_id=job_id))
+
+    async def status(self) -> p.DaemonStatus:
+        reply = await self._request(p.Status(id=0))
+        assert isinstance(reply, p.StatusReply)
+        return reply.status
+
+    async def logs(
+        self, *, level: p.LogLevel = "info", job_id: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The daemon's log events as they happen, until the caller stops iterating."""
+        self._logs = asyncio.Queue()
+        await self._request(p.SubscribeLogs(id=0, level=level, job_id=job_id))
+        try:
+            while True:
+                batch = await self._logs.get()
+                for record in batch.records:
+                    yield record
+        finally:
+            self._logs = None
+            if self._sock is not None and self._lost is None:
+                with contextlib.suppress(KvmuxError, TimeoutError):
+                    await self._request(p.UnsubscribeLogs(id=0))
+
+    async def _request(self, msg: p.Request) -> p.Reply:
+        if self._lost is not None:
+            raise self._lost
+        if self._sock is None:
+            raise DaemonUnreachable(f"client for {self.endpoint} is not connected")
+        rid = next(self._ids)
+        msg = msgspec.structs.replace(msg, id=rid)
+        fut: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await self._sock.send(p.encode(msg))
+            reply = await asyncio.wait_for(fut, self.timeout)
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(reply, p.ErrorReply):
+            raise error_from_info(reply.error)
+        return reply
+
+    # -- background ------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            data = await self._sock.recv()
+            self._last_recv = time.monotonic()
+            try:
+                reply = p.decode_reply(data)
+            except msgspec.DecodeError:
+                continue  # a newer daemon's message this client cannot read
+            self._route(reply)
+
+    def _route(self, reply: p.Reply) -> None:
+        match reply:
+            case p.Events(events=events):
+                for ev in events:
+                    job = self._jobs.get(ev.job_id)
+                    if job is not None:
+                        job._push(ev)
+                return
+            case p.LogEvents():
+                if self._logs is not None:
+                    self._logs.put_nowait(reply)
+                return
+            case p.Accepted(job_id=job_id, total=total):
+                # Registered before the submitter wakes: the job's events may
+                # be in the very next message.
+                self._jobs.setdefault(job_id, Job(self, job_id, total))
+            case p.Attached(job_id=job_id, total=total, results=results, done=done):
+                job = self._jobs.setdefault(job_id, Job(self, job_id, total))
+                job._seed(results, done)
+        rid = getattr(reply, "id", None)
+        fut = self._pending.get(rid) if rid is not None else None
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
+
+    async def _heartbeat_loop(self, interval: float) -> None:
+        assert self._sock is not None
+        while True:
+            await asyncio.sleep(interval)
+            if time.monotonic() - self._last_recv > _SILENT_INTERVALS * interval:
+                self._lost = self._unreachable(
+                    f"silent for {_SILENT_INTERVALS * interval:g} s; it stopped or restarted"
+                )
+                self._fail_all(self._lost)
+                return
+            await self._sock.send(p.encode(p.Heartbeat(id=next(self._ids))))
+
+    def _fail_all(self, exc: KvmuxError) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        for job in self._jobs.values():
+            if not job.finished:
+                job._push(exc)
+        self._jobs.clear()

@@ -1,0 +1,339 @@
+"""The wire protocol between kvmuxd and its clients: msgspec Structs, msgpack on the wire.
+
+A client talks to the daemon's ROUTER socket from a DEALER socket, one
+msgpack message per ZeroMQ message. Requests carry a client-chosen ``id``
+that the daemon echoes in its reply; job progress arrives as :class:`Events`,
+at most one message per scheduler step per client, each holding every
+event of that step for that client (token deltas coalesced, never one
+message per token).
+
+Everything the daemon accepts forbids unknown fields and bounds its sizes, so
+a malformed request is refused whole with a typed error before it reaches a
+session. This module imports neither onnxruntime nor anything of the daemon.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PROTOCOL_VERSION = 1
+
+RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+JobId = Annotated[str, Meta(min_length=1, max_length=64)]
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+PositiveInt = Annotated[int, Meta(ge=1, lt=2**31)]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+# -- what a client sends -------------------------------------------------------
+class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One prompt to decode: text or token ids (exactly one), with its parameters.
+
+    ``None`` means "the model's declared default" (genai_config ``search``).
+    ``max_context`` caps this item's KV length below the daemon's ceiling.
+    """
+
+    custom_id: Annotated[str, Meta(max_length=512)] = ""
+    prompt: Annotated[str, Meta(max_length=8 * 1024 * 1024)] | None = None
+    prompt_tokens: Annotated[list[TokenId], Meta(max_length=1 << 22)] | None = None
+    max_new_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, lt=2**31)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=1024)]], Meta(max_length=16)
+    ] = msgspec.field(default_factory=list)
+    max_context: PositiveInt | None = None
+    ignore_eos: bool = False
+
+
+class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
+    id: RequestId
+
+
+class Hello(_Request, tag="hello", frozen=True):
+    """Opens a conversation; the daemon answers :class:`Welcome` or a version error."""
+
+    version: int
+    client: Annotated[str, Meta(max_length=128)] = ""
+
+
+class Submit(_Request, tag="submit", frozen=True):
+    """A job: a batch of items. ``detach`` keeps it running if this client goes away."""
+
+    items: Annotated[list[Item], Meta(min_length=1, max_length=1 << 20)]
+    detach: bool = False
+    name: Annotated[str, Meta(max_length=256)] = ""
+
+
+class Cancel(_Request, tag="cancel", frozen=True):
+    """Cancel a job: queued and active items finish with ``cancelled``."""
+
+    job_id: JobId
+
+
+class Attach(_Request, tag="attach", frozen=True):
+    """(Re-)attach to a job: its finished results now, its live events from here on."""
+
+    job_id: JobId
+
+
+class Detach(_Request, tag="detach", frozen=True):
+    """Keep a job running (and its results retained) after this client disconnects."""
+
+    job_id: JobId
+
+
+class Status(_Request, tag="status", frozen=True):
+    """Ask for the daemon's state, sessions, KV memory and growth counters."""
+
+
+class SubscribeLogs(_Request, tag="subscribe_logs", frozen=True):
+    """Stream the daemon's structured log events, filtered by level and job."""
+
+    level: LogLevel = "info"
+    job_id: JobId | None = None
+
+
+class UnsubscribeLogs(_Request, tag="unsubscribe_logs", frozen=True):
+    """Stop this client's log stream."""
+
+
+class Heartbeat(_Request, tag="heartbeat", frozen=True):
+    """Tells the daemon this client is alive; answered with :class:`Ack`."""
+
+
+Request = (
+    Hello | Submit | Cancel | Attach | Detach | Status | SubscribeLogs | UnsubscribeLogs | Heartbeat
+)
+
+
+# -- what the daemon sends -------------------------------------------------------
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """A typed error: a stable ``code``, a message for people, diagnostics in ``details``."""
+
+    code: str
+    message: str
+    details: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Usage(msgspec.Struct, frozen=True):
+    """Token counts of one finished item."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One item's outcome: the completion, or the error that ended it."""
+
+    index: int
+    custom_id: str
+    status: Literal["ok", "error"]
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    seed: int | None = None
+    error: ErrorInfo | None = None
+
+
+class _Event(msgspec.Struct, frozen=True, tag_field="type"):
+    job_id: str
+
+
+class ItemStarted(_Event, tag="item_started", frozen=True):
+    """An item got a decode session and began prefilling."""
+
+    index: int
+    custom_id: str
+    session_id: str
+    prompt_tokens: int
+
+
+class TokenDelta(_Event, tag="tokens", frozen=True):
+    """New tokens of one item since the last step, and the text they completed."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+
+
+class ItemFinished(_Event, tag="item_finished", frozen=True):
+    """An item ended: completed, failed, or cancelled (``result.error`` says)."""
+
+    result: ItemResult
+
+
+class JobFinished(_Event, tag="job_finished", frozen=True):
+    """Every item of the job has a result."""
+
+    total: int
+    ok: int
+    failed: int
+
+
+Event = ItemStarted | TokenDelta | ItemFinished | JobFinished
+
+
+class GrowthStats(msgspec.Struct, frozen=True):
+    """The growth coordinator's counters."""
+
+    growths: int
+    bytes_copied: int
+    lock_wait_seconds_total: float
+    lock_wait_seconds_max: float
+    failures: dict[str, int]
+    parked_retries: int
+
+
+class SessionInfo(msgspec.Struct, frozen=True):
+    """One live decode session."""
+
+    session_id: str
+    job_id: str
+    index: int
+    state: str
+    capacity: int
+    valid_len: int
+    kv_bytes: int
+
+
+class DaemonStatus(msgspec.Struct, frozen=True):
+    """What ``kvmux status`` shows."""
+
+    state: Literal["loading", "ready", "draining"]
+    version: str
+    pid: int
+    uptime_seconds: float
+    model: str
+    provider: str
+    clients: int
+    jobs_active: int
+    jobs_retained: int
+    sessions_active: int
+    sessions_queued: int
+    sessions_parked: int
+    kv_bytes_in_use: int
+    kv_peak_bytes: int
+    kv_budget_bytes: int | None
+    kv_bytes_per_token: int
+    min_bucket: int
+    device_free_bytes: int | None
+    device_total_bytes: int | None
+    memory_source: str
+    growth: GrowthStats
+    sessions: list[SessionInfo]
+
+
+class _Reply(msgspec.Struct, frozen=True, tag_field="kind"):
+    pass
+
+
+class Welcome(_Reply, tag="welcome", frozen=True):
+    """The answer to :class:`Hello`: what this daemon is and the limits it enforces."""
+
+    id: int
+    version: int
+    daemon_version: str
+    model: str
+    heartbeat_interval: float
+    max_message_bytes: int
+    max_job_items: int
+
+
+class Accepted(_Reply, tag="accepted", frozen=True):
+    """A job was admitted; its events follow on this connection."""
+
+    id: int
+    job_id: str
+    total: int
+
+
+class Attached(_Reply, tag="attached", frozen=True):
+    """Re-attached: the job's state and every result finished so far."""
+
+    id: int
+    job_id: str
+    total: int
+    done: bool
+    results: list[ItemResult]
+
+
+class Ack(_Reply, tag="ack", frozen=True):
+    """A request that returns nothing else succeeded."""
+
+    id: int
+
+
+class StatusReply(_Reply, tag="status", frozen=True):
+    """The answer to :class:`Status`."""
+
+    id: int
+    status: DaemonStatus
+
+
+class ErrorReply(_Reply, tag="error", frozen=True):
+    """A request failed; ``id`` is None when the frame was too broken to read one."""
+
+    id: int | None
+    error: ErrorInfo
+
+
+class Events(_Reply, tag="events", frozen=True):
+    """Every event of one scheduler step for one client."""
+
+    events: list[Event]
+
+
+class LogEvents(_Reply, tag="logs", frozen=True):
+    """Log events for a subscriber; ``dropped`` counts events lost to a full buffer."""
+
+    records: list[dict[str, Any]]
+    dropped: int = 0
+
+
+Reply = Welcome | Accepted | Attached | Ack | StatusReply | ErrorReply | Events | LogEvents
+
+
+class _Codec:
+    """Cached encoders/decoders: one typed decoder per direction."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.requests = msgspec.msgpack.Decoder(Request)
+        self.replies = msgspec.msgpack.Decoder(Reply)
+
+
+codec = _Codec()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return codec.encoder.encode(msg)
+
+
+def decode_request(data: bytes) -> Request:
+    """Decode what a client sent; raises ``msgspec.DecodeError`` (incl. ValidationError)."""
+    return codec.requests.decode(data)
+
+
+def decode_reply(data: bytes) -> Reply:
+    return codec.replies.decode(data)
+
+
+def check_item(item: Item) -> Item:
+    """Validate an item built in Python against the wire constraints (and prompt XOR tokens).
+
+    msgspec checks constraints when decoding, not when a Struct is built, so the
+    client runs this before sending; the daemon runs the same checks on decode.
+    Raises ``ValueError`` naming the field.
+    """
+    checked = msgspec.convert(msgspec.to_builtins(item), Item)
+    if (checked.prompt is None) == (checked.prompt_tokens is None):
+        raise ValueError("exactly one of `prompt` and `prompt_tokens` must be given")
+    return checked

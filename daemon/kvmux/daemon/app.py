@@ -1,0 +1,189 @@
+"""kvmuxd composed: config → engine (on its worker thread) → scheduler → server.
+
+``Daemon.serve`` loads the model, binds the socket, reports ready through
+``task_status`` (tests) and ``on_ready`` (the service's readiness
+notification), then runs until :meth:`Daemon.stop`. Stopping drains: no new
+jobs, active items get ``shutdown.grace`` seconds, the rest end with a
+``shutdown`` error that reaches their clients.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Literal
+
+import anyio
+import anyio.abc
+import structlog
+
+from kvmux.client import protocol as p
+from kvmux.client.endpoint import daemon_default_endpoint
+from kvmux.client.errors import ShuttingDown
+from kvmux.kv import MemoryBudget, resolve_min_bucket
+
+from .config import Config
+from .coordinator import GrowthCoordinator
+from .engine import Engine, EngineOptions
+from .model import resolve_model
+from .scheduler import Scheduler
+from .server import Server
+from .worker import EngineWorker
+
+log = structlog.get_logger("kvmux.daemon")
+
+try:
+    DAEMON_VERSION = version("kvmux")
+except PackageNotFoundError:  # a source tree without an install
+    DAEMON_VERSION = "0+unknown"
+
+
+class Daemon:
+    """One model, one worker thread, one scheduler, one ROUTER socket."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        serialize_growth: bool = True,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.endpoint = config.server.endpoint or daemon_default_endpoint()
+        self.state: Literal["loading", "ready", "draining"] = "loading"
+        self.started = time.monotonic()
+        self._on_ready = on_ready
+        self._stop = anyio.Event()
+        self.worker = EngineWorker()
+        self.coordinator = GrowthCoordinator(serialize=serialize_growth)
+        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
+        self.server: Server | None = None
+        self.model_name = config.model.path or config.model.name
+
+    # -- lifecycle ---------------------------------------------------------------
+    def _load_engine(self) -> Engine:
+        cfg = self.config
+        resolve_min_bucket(cfg.kv.min_bucket)  # a bad KVMUX_KV_MIN_BUCKET fails here, at start
+        if cfg.model.path:
+            folder = Path(cfg.model.path)
+        else:
+            cache = Path(cfg.model.cache_dir) if cfg.model.cache_dir else None
+            folder = resolve_model(cfg.model.name, cache)
+        options = EngineOptions(
+            provider=cfg.model.provider,
+            device_id=cfg.model.device_id,
+            intra_op_threads=cfg.model.intra_op_threads,
+            prefill_chunk=cfg.scheduler.prefill_chunk,
+            min_bucket=cfg.kv.min_bucket,
+            max_len=cfg.kv.max_len or None,
+            cuda_graph=cfg.model.cuda_graph,
+        )
+        return Engine(folder, options, budget=MemoryBudget(cfg.kv.memory_budget or None))
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            self.engine = await self.worker.run(self._load_engine)
+            server = Server(self.endpoint, self.config.server, hello=self.hello, status=self.status)
+            self.server = server
+            scheduler = Scheduler(
+                self.engine,
+                self.worker,
+                self.coordinator,
+                self.config.scheduler,
+                self.config.jobs,
+                server.deliver,
+            )
+            self.scheduler = server.scheduler = scheduler
+            server.bind()
+            async with anyio.create_task_group() as tg:
+                await tg.start(scheduler.run)
+                await tg.start(server.serve)
+                self.state = "ready"
+                log.info(
+                    "daemon_ready",
+                    endpoint=self.endpoint,
+                    model=self.model_name,
+                    providers=list(self.engine.ort.providers),
+                    pid=os.getpid(),
+                    min_bucket=resolve_min_bucket(self.config.kv.min_bucket),
+                    kv_budget_bytes=self.engine.budget.total,
+                )
+                if self._on_ready is not None:
+                    self._on_ready()
+                task_status.started(self)
+                await self._stop.wait()
+                await self._drain()
+                tg.cancel_scope.cancel()
+        finally:
+            self.worker.close()
+            log.info("daemon_stopped", endpoint=self.endpoint)
+
+    def stop(self) -> None:
+        """Begin a graceful stop (drain); safe to call more than once."""
+        self._stop.set()
+
+    async def _drain(self) -> None:
+        scheduler, server = self.scheduler, self.server
+        assert scheduler is not None and server is not None
+        self.state = "draining"
+        scheduler.draining = True
+        grace = self.config.shutdown.grace
+        log.info("daemon_draining", grace_seconds=grace, **scheduler.counts())
+        with anyio.move_on_after(grace):
+            while not scheduler.idle:
+                await anyio.sleep(0.05)
+        if not scheduler.idle:
+            scheduler.cancel_all(
+                ShuttingDown(
+                    f"kvmuxd shut down before this item finished (shutdown.grace {grace:g} s)",
+                    {"grace_seconds": grace},
+                )
+            )
+            with anyio.move_on_after(5.0):
+                while not scheduler.idle:
+                    await anyio.sleep(0.01)
+        await server.flush()
+
+    # -- what clients ask ---------------------------------------------------------
+    def hello(self) -> p.Welcome:
+        cfg = self.config
+        return p.Welcome(
+            id=0,
+            version=p.PROTOCOL_VERSION,
+            daemon_version=DAEMON_VERSION,
+            model=self.model_name,
+            heartbeat_interval=cfg.server.heartbeat_interval,
+            max_message_bytes=cfg.server.max_message_bytes,
+            max_job_items=cfg.scheduler.max_job_items,
+        )
+
+    def status(self) -> p.DaemonStatus:
+        engine, scheduler = self.engine, self.scheduler
+        assert engine is not None and scheduler is not None
+        mem = engine.memory()
+        return p.DaemonStatus(
+            state=self.state,
+            version=DAEMON_VERSION,
+            pid=os.getpid(),
+            uptime_seconds=time.monotonic() - self.started,
+            model=self.model_name,
+            provider="cuda" if engine.on_cuda else "cpu",
+            clients=self.server.clients if self.server else 0,
+            **scheduler.counts(),
+            kv_bytes_in_use=engine.budget.used,
+            kv_peak_bytes=engine.budget.peak,
+            kv_budget_bytes=engine.budget.total,
+            kv_bytes_per_token=engine.kv_spec.bytes_per_token,
+            min_bucket=resolve_min_bucket(self.config.kv.min_bucket),
+            device_free_bytes=None if mem is None else mem.free,
+            device_total_bytes=None if mem is None else mem.total,
+            memory_source="unavailable" if mem is None else mem.source,
+            growth=self.coordinator.stats(),
+            sessions=scheduler.sessions(),
+        )

@@ -1,0 +1,269 @@
+"""The daemon's configuration: a TOML file decoded into frozen msgspec Structs.
+
+Every table is a Struct whose fields carry their defaults and constraints, so
+an empty file is a valid config and msgspec rejects bad types, out-of-range
+values and unknown keys. :func:`load_config` and :func:`parse_config` turn
+every failure into one :class:`ConfigError` naming the file and the dotted key
+(``scheduler.max_active_sessions``); the daemon exits with :data:`EX_CONFIG`
+on it, which the systemd unit lists in ``RestartPreventExitStatus``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "EX_CONFIG",
+    "Config",
+    "ConfigError",
+    "JobsConfig",
+    "KvConfig",
+    "LogConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+    "ShutdownConfig",
+    "load_config",
+    "parse_config",
+]
+
+EX_CONFIG = 78
+"""Exit status for a bad config (sysexits.h ``EX_CONFIG``); systemd must not restart on it."""
+
+BUILTIN_MODELS = ("tiny", "small")
+"""The models the repo builds itself; ``model.name`` picks one when ``model.path`` is empty."""
+
+_ENDPOINT_SCHEMES = ("ipc://", "tcp://", "inproc://")
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class ConfigError(Exception):
+    """A config file that cannot be read, parsed or validated."""
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None) -> None:
+        self.path = path
+        self.key = key
+        self.message = message
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        parts = [p for p in (self.path, self.key) if p]
+        return ": ".join([*parts, self.message])
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[model]``: which model to serve and where it runs."""
+
+    name: str = "tiny"
+    path: str = ""
+    cache_dir: str = ""
+    provider: Literal["cpu", "cuda"] = "cpu"
+    device_id: NonNegInt = 0
+    intra_op_threads: NonNegInt = 0
+    cuda_graph: bool = False
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[server]``: the ZeroMQ endpoint and client liveness."""
+
+    endpoint: str = ""
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
+    heartbeat_interval: PositiveFloat = 2.0
+    client_timeout: PositiveFloat = 10.0
+
+
+class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[kv]``: the KV-cache bucket floor, explicit cap and memory budget."""
+
+    min_bucket: PositiveInt = 256
+    max_len: NonNegInt = 0
+    memory_budget: NonNegInt = 0
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[scheduler]``: admission limits and what a failed growth does."""
+
+    max_active_sessions: PositiveInt = 16
+    max_queued_items: PositiveInt = 4096
+    max_job_items: PositiveInt = 4096
+    prefill_chunk: PositiveInt = 256
+    on_growth_failure: Literal["wait", "fail"] = "wait"
+    growth_retries: NonNegInt = 8
+    max_prompt_tokens: NonNegInt = 0
+    max_new_tokens: PositiveInt = 4096
+
+
+class JobsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[jobs]``: how long finished jobs stay available for re-attach."""
+
+    retention: PositiveFloat = 3600.0
+    max_retained: PositiveInt = 1000
+
+
+class LogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[log]``: level, rendering and an optional JSON-lines file."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+    file: str = ""
+
+
+class ShutdownConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[shutdown]``: the grace period active items get on SIGTERM."""
+
+    grace: NonNegFloat = 30.0
+
+
+class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[metrics]``: the loopback address of the Prometheus endpoint, or off."""
+
+    listen: str = ""
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole daemon config; every table defaults to its defaults."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    kv: KvConfig = msgspec.field(default_factory=KvConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    jobs: JobsConfig = msgspec.field(default_factory=JobsConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+
+
+def load_config(path: Path | str) -> Config:
+    """Read and validate the TOML config at ``path``; any failure is a :class:`ConfigError`."""
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"cannot read config file: {reason}", path=source) from exc
+    return parse_config(data, source=source)
+
+
+def parse_config(text: str | bytes, *, source: str = "<string>") -> Config:
+    """Decode and validate TOML ``text``; ``source`` names it in errors."""
+    try:
+        cfg = msgspec.toml.decode(text, type=Config)
+    except msgspec.ValidationError as exc:
+        key, message = _split_validation_error(str(exc))
+        raise ConfigError(message, path=source, key=key) from exc
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}", path=source) from exc
+    _check(cfg, source)
+    return cfg
+
+
+_AT_PATH = re.compile(r"^(?P<message>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")
+
+
+def _split_validation_error(text: str) -> tuple[str | None, str]:
+    """Split msgspec's ``"<message> - at `$.a.b`"`` into (``"a.b"``, message)."""
+    message, location = text, ""
+    match = _AT_PATH.match(text)
+    if match is not None:
+        message, location = match["message"], match["path"]
+    parts = [p for p in location.split(".") if p]
+    unknown = _UNKNOWN_FIELD.match(message)
+    if unknown is not None:
+        table = ".".join(parts)
+        where = f" in [{table}]" if table else " at the top level"
+        parts.append(unknown["field"])
+        message = f"unknown key{where}"
+    return (".".join(parts) or None), message
+
+
+def _check(cfg: Config, source: str) -> None:
+    """Cross-field rules msgspec's per-field constraints cannot express."""
+
+    def fail(key: str, message: str) -> ConfigError:
+        return ConfigError(message, path=source, key=key)
+
+    for table_name in cfg.__struct_fields__:
+        table = getattr(cfg, table_name)
+        for field_name in table.__struct_fields__:
+            value = getattr(table, field_name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise fail(f"{table_name}.{field_name}", f"must be a finite number, got {value}")
+
+    model = cfg.model
+    default_name = ModelConfig().name
+    if model.path:
+        if model.name not in ("", default_name):
+            raise fail(
+                "model.name",
+                f"is exclusive with model.path ({model.path!r}); "
+                "leave model.name unset to serve the model folder",
+            )
+    elif model.name not in BUILTIN_MODELS:
+        raise fail(
+            "model.name",
+            f"unknown built-in model {model.name!r}; expected one of "
+            f"{', '.join(BUILTIN_MODELS)} (or set model.path to a model folder)",
+        )
+
+    server = cfg.server
+    if server.endpoint and not server.endpoint.startswith(_ENDPOINT_SCHEMES):
+        raise fail(
+            "server.endpoint",
+            f"{server.endpoint!r} must start with one of {', '.join(_ENDPOINT_SCHEMES)} "
+            "(or be empty for the default ipc socket)",
+        )
+    if server.client_timeout <= server.heartbeat_interval:
+        raise fail(
+            "server.client_timeout",
+            f"must be greater than server.heartbeat_interval ({server.heartbeat_interval}), "
+            f"got {server.client_timeout}",
+        )
+
+    sched = cfg.scheduler
+    if sched.max_job_items > sched.max_queued_items:
+        raise fail(
+            "scheduler.max_job_items",
+            f"must be <= scheduler.max_queued_items ({sched.max_queued_items}), "
+            f"got {sched.max_job_items}: a bigger job could never be admitted",
+        )
+
+    if cfg.metrics.listen:
+        problem = _loopback_listen_problem(cfg.metrics.listen)
+        if problem is not None:
+            raise fail("metrics.listen", problem)
+
+
+def _loopback_listen_problem(listen: str) -> str | None:
+    """Why ``listen`` is not a loopback ``host:port``, or None when it is."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host:
+        return f"{listen!r} must be host:port, e.g. 127.0.0.1:9464"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{listen!r} has an invalid port {port!r}; expected 1-65535"
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return f"{listen!r}: host {host!r} must be localhost or a loopback IP address"
+    if not address.is_loopback:
+        return (
+            f"{listen!r}: host {host!r} is not a loopback address; the metrics endpoint "
+            "has no authentication, so it only listens on 127.0.0.0/8, ::1 or localhost"
+        )
+    return None

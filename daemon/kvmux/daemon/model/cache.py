@@ -1,0 +1,26 @@
+"""Where built-in models are built, and how a model name or folder resolves to a path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvmux.daemon.model.builder import BUILTIN_SIZES, ensure_builtin
+
+MODEL_CACHE_ENV = "KVMUX_MODEL_CACHE"
+
+
+def default_model_cache() -> Path:
+    """Where built-in models are built on first use: $KVMUX_MODEL_CACHE or the user cache."""
+    env = os.environ.get(MODEL_CACHE_ENV)
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvmux" / "models"
+
+
+def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
+    """A built-in size (built on first use under ``cache_dir``) or a model folder path."""
+    if name in BUILTIN_SIZES:
+        return ensure_builtin(name, cache_dir or default_model_cache())
+    return Path(name)
