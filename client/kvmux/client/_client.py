@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from . import protocol as p
+from .curve import CurveKeys, curve_from_env
 from .endpoint import client_default_endpoint, ipc_path
 from .errors import BadRequest, DaemonUnreachable, KvmuxError, error_from_info
 
@@ -82,6 +83,8 @@ class Client:
     """A connection to kvmuxd over a ZeroMQ DEALER socket.
 
     Use as ``async with Client(endpoint) as c: job = await c.submit(items)``.
+    ``curve`` (see :mod:`kvmux.client.curve`) authenticates to a CURVE endpoint;
+    without it, ``$KVMUX_CURVE_SERVER_KEY``/``$KVMUX_CURVE_CLIENT_KEY`` apply.
     Replies are matched to requests by id; job events are routed to their
     :class:`Job`. While connected the client heartbeats, so the daemon keeps its
     jobs; a job submitted with ``detach=True`` survives the client's exit.
@@ -93,13 +96,15 @@ class Client:
         *,
         timeout: float = 10.0,
         name: str = "kvmux-python",
-        curve: tuple[bytes, bytes, bytes] | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint or client_default_endpoint()
         self.timeout = timeout
         self.name = name
         self.welcome: p.Welcome | None = None
-        self._curve = curve
+        # CURVE from the environment lets every tool built on Client (the CLI
+        # included) reach an authenticated endpoint without new flags.
+        self._curve = curve if curve is not None else curve_from_env()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)

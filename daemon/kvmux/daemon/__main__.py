@@ -19,7 +19,7 @@ import structlog
 from kvmux.kv import KvConfigError
 
 from .app import Daemon
-from .config import EX_CONFIG, Config, ConfigError, load_config
+from .config import EX_CONFIG, Config, ConfigError, load_config, with_endpoint
 from .engine import EngineError
 from .logs import close_log_file, configure_logging, reopen_log_file
 from .model import ModelFormatError
@@ -66,11 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--config", type=Path, help="TOML config file (default: built-in defaults)")
     ap.add_argument(
+        "--endpoint",
+        help="listen here instead of server.endpoint (ipc://PATH or tcp://HOST:PORT)",
+    )
+    ap.add_argument(
         "--check-config", action="store_true", help="validate the config and exit (0 if valid)"
     )
     args = ap.parse_args(argv)
     try:
         config = load_config(args.config) if args.config else Config()
+        if args.endpoint:
+            config = with_endpoint(config, args.endpoint)
     except ConfigError as exc:
         print(f"kvmuxd: invalid config: {exc}", file=sys.stderr)
         return EX_CONFIG
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         err = _leaf(group)
         if isinstance(err, KeyboardInterrupt):
             return 0
-        if isinstance(err, ModelFormatError | KvConfigError):
+        if isinstance(err, ModelFormatError | KvConfigError | ConfigError):
             log.error("startup_failed", error=str(err), kind="config")
             return EX_CONFIG
         if isinstance(err, EngineError | EndpointInUse | OSError):

@@ -1,17 +1,18 @@
 """kvmuxd composed: config → engine (on its worker thread) → scheduler → server.
 
-``Daemon.serve`` loads the model, binds the socket, reports ready through
-``task_status`` (tests) and ``on_ready`` (the service's readiness
-notification), then runs until :meth:`Daemon.stop`. Stopping drains: no new
-jobs, active items get ``shutdown.grace`` seconds, the rest end with a
-``shutdown`` error that reaches their clients.
+``Daemon.serve`` loads the model, binds the socket, starts the metrics
+endpoint if configured, reports ready through ``task_status`` (tests) and
+systemd's notify socket (``READY=1``), then runs until :meth:`Daemon.stop`,
+sending ``WATCHDOG=1`` and ``STATUS=`` from the event loop itself so a stuck
+loop is caught. Stopping drains: ``STOPPING=1``, no new jobs, active items get
+``shutdown.grace`` seconds, the rest end with a ``shutdown`` error that
+reaches their clients.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Literal
@@ -23,12 +24,14 @@ import structlog
 from kvmux.client import protocol as p
 from kvmux.client.endpoint import daemon_default_endpoint
 from kvmux.client.errors import ShuttingDown
-from kvmux.kv import MemoryBudget, resolve_min_bucket
+from kvmux.kv import MemoryBudget, format_bytes, resolve_min_bucket
 
 from .config import Config
 from .coordinator import GrowthCoordinator
 from .engine import Engine, EngineOptions
+from .metrics import Metrics
 from .model import resolve_model
+from .notify import Notifier
 from .scheduler import Scheduler
 from .server import Server
 from .worker import EngineWorker
@@ -49,16 +52,19 @@ class Daemon:
         config: Config,
         *,
         serialize_growth: bool = True,
-        on_ready: Callable[[], None] | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.config = config
         self.endpoint = config.server.endpoint or daemon_default_endpoint()
         self.state: Literal["loading", "ready", "draining"] = "loading"
         self.started = time.monotonic()
-        self._on_ready = on_ready
+        self.notifier = notifier or Notifier()
         self._stop = anyio.Event()
         self.worker = EngineWorker()
-        self.coordinator = GrowthCoordinator(serialize=serialize_growth)
+        self.metrics = Metrics()
+        self.coordinator = GrowthCoordinator(
+            serialize=serialize_growth, on_wait=self.metrics.lock_wait.observe
+        )
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
         self.server: Server | None = None
@@ -100,7 +106,12 @@ class Daemon:
                 server.deliver,
             )
             self.scheduler = server.scheduler = scheduler
+            scheduler.metrics = self.metrics
             server.bind()
+            self.metrics.attach(self)
+            if self.config.metrics.listen:
+                host, port = self.metrics.serve(self.config.metrics.listen)
+                log.info("metrics_listening", url=f"http://{host}:{port}/metrics")
             async with anyio.create_task_group() as tg:
                 await tg.start(scheduler.run)
                 await tg.start(server.serve)
@@ -114,15 +125,37 @@ class Daemon:
                     min_bucket=resolve_min_bucket(self.config.kv.min_bucket),
                     kv_budget_bytes=self.engine.budget.total,
                 )
-                if self._on_ready is not None:
-                    self._on_ready()
+                self.notifier.ready(self.status_line())
+                tg.start_soon(self._keepalive)
                 task_status.started(self)
                 await self._stop.wait()
                 await self._drain()
                 tg.cancel_scope.cancel()
         finally:
+            self.metrics.close()
             self.worker.close()
+            self.notifier.close()
             log.info("daemon_stopped", endpoint=self.endpoint)
+
+    async def _keepalive(self) -> None:
+        """``WATCHDOG=1`` at half systemd's interval and a fresh ``STATUS=``, from the loop."""
+        watchdog = self.notifier.watchdog_interval
+        period = min(watchdog / 2, 5.0) if watchdog else 5.0
+        while True:
+            await anyio.sleep(period)
+            if watchdog:
+                self.notifier.watchdog()
+            self.notifier.status(self.status_line())
+
+    def status_line(self) -> str:
+        """One line for ``systemctl status``: state, sessions, KV in use."""
+        if self.scheduler is None or self.engine is None:
+            return self.state
+        c = self.scheduler.counts()
+        return (
+            f"{self.state}: {c['sessions_active']} active, {c['sessions_queued']} queued, "
+            f"{c['sessions_parked']} parked; KV {format_bytes(self.engine.budget.used)} in use"
+        )
 
     def stop(self) -> None:
         """Begin a graceful stop (drain); safe to call more than once."""
@@ -133,6 +166,7 @@ class Daemon:
         assert scheduler is not None and server is not None
         self.state = "draining"
         scheduler.draining = True
+        self.notifier.stopping(self.status_line())
         grace = self.config.shutdown.grace
         log.info("daemon_draining", grace_seconds=grace, **scheduler.counts())
         with anyio.move_on_after(grace):

@@ -33,6 +33,7 @@ __all__ = [
     "ShutdownConfig",
     "load_config",
     "parse_config",
+    "with_endpoint",
 ]
 
 EX_CONFIG = 78
@@ -82,6 +83,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
     heartbeat_interval: PositiveFloat = 2.0
     client_timeout: PositiveFloat = 10.0
+    curve_secret_key: str = ""
+    curve_authorized_keys: str = ""
 
 
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -169,6 +172,15 @@ def parse_config(text: str | bytes, *, source: str = "<string>") -> Config:
     return cfg
 
 
+def with_endpoint(cfg: Config, endpoint: str, *, source: str = "--endpoint") -> Config:
+    """``cfg`` listening on ``endpoint`` instead (kvmuxd --endpoint), checked like the file."""
+    replaced = msgspec.structs.replace(
+        cfg, server=msgspec.structs.replace(cfg.server, endpoint=endpoint)
+    )
+    _check(replaced, source)
+    return replaced
+
+
 _AT_PATH = re.compile(r"^(?P<message>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
 _UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")
 
@@ -225,6 +237,17 @@ def _check(cfg: Config, source: str) -> None:
             f"{server.endpoint!r} must start with one of {', '.join(_ENDPOINT_SCHEMES)} "
             "(or be empty for the default ipc socket)",
         )
+    curve = bool(server.curve_secret_key)
+    if curve != bool(server.curve_authorized_keys):
+        raise fail(
+            "server.curve_authorized_keys" if curve else "server.curve_secret_key",
+            "CURVE needs both server.curve_secret_key (the server's certificate) and "
+            "server.curve_authorized_keys (a folder of allowed clients' public certificates)",
+        )
+    if server.endpoint.startswith("tcp://") and not curve:
+        problem = _loopback_tcp_problem(server.endpoint)
+        if problem is not None:
+            raise fail("server.endpoint", problem)
     if server.client_timeout <= server.heartbeat_interval:
         raise fail(
             "server.client_timeout",
@@ -244,6 +267,23 @@ def _check(cfg: Config, source: str) -> None:
         problem = _loopback_listen_problem(cfg.metrics.listen)
         if problem is not None:
             raise fail("metrics.listen", problem)
+
+
+def _loopback_tcp_problem(endpoint: str) -> str | None:
+    """Why a tcp endpoint without CURVE is refused: anything but loopback is open to all."""
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    if host.lower() == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (
+        f"{endpoint!r} listens beyond loopback without authentication; configure CURVE "
+        "(server.curve_secret_key and server.curve_authorized_keys) or use an ipc:// socket "
+        "or a 127.0.0.1 tcp endpoint"
+    )
 
 
 def _loopback_listen_problem(listen: str) -> str | None:

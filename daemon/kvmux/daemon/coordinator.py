@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 import anyio
@@ -34,8 +35,15 @@ class GrowthCoordinator:
     refuses some of them.
     """
 
-    def __init__(self, *, serialize: bool = True, threads: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        serialize: bool = True,
+        threads: int = 4,
+        on_wait: Callable[[float], None] | None = None,
+    ) -> None:
         self.serialize = serialize
+        self._on_wait = on_wait
         self._lock = anyio.Lock()
         self._limiter = anyio.CapacityLimiter(threads)
         self.growths = 0
@@ -75,6 +83,8 @@ class GrowthCoordinator:
         self.lock_wait_total += waited
         self.lock_wait_max = max(self.lock_wait_max, waited)
         self.waits.append(waited)
+        if self._on_wait is not None:
+            self._on_wait(waited)
         if len(self.waits) > self._waits_kept:
             del self.waits[: len(self.waits) - self._waits_kept]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -46,6 +46,7 @@ from .config import JobsConfig, SchedulerConfig
 from .coordinator import GrowthCoordinator
 from .engine import Admission, DecodeSession, Engine, SamplingParams, StepOutput
 from .errors import error_info
+from .metrics import Metrics
 from .worker import EngineWorker
 
 log = structlog.get_logger("kvmux.scheduler")
@@ -70,6 +71,7 @@ class ItemState:
     cancel_with: Exception | None = None
     failure: Exception | None = None
     admitted_seq: int = 0
+    first_token_at: float | None = None
 
     @property
     def session_id(self) -> str:
@@ -128,7 +130,8 @@ class Scheduler:
         self._seq = 0
         self.draining = False
         self.tokens_generated = 0
-        self.items_finished = 0
+        self.finished_by_code: Counter[str] = Counter()  # "ok" or the error code
+        self.metrics: Metrics | None = None
 
     # -- what the server calls --------------------------------------------------
     async def submit(self, owner: bytes, msg: Submit) -> JobState:
@@ -439,6 +442,10 @@ class Scheduler:
         if isinstance(out, Exception):
             self._finish(state, error=out)
             return
+        if out.token_ids and state.first_token_at is None:
+            state.first_token_at = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.ttft.observe(state.first_token_at - state.job.created)
         if out.token_ids or out.text:
             self.tokens_generated += len(out.token_ids)
             self._emit(
@@ -498,9 +505,12 @@ class Scheduler:
         state.admission = None
         if result.status == "ok":
             job.ok += 1
+            n = len(result.token_ids)
+            if self.metrics is not None and state.first_token_at is not None and n > 1:
+                self.metrics.tpot.observe((time.monotonic() - state.first_token_at) / (n - 1))
         else:
             job.failed += 1
-        self.items_finished += 1
+        self.finished_by_code["ok" if result.error is None else result.error.code] += 1
         log.info(
             "session_finished",
             job_id=job.job_id,

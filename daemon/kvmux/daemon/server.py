@@ -21,12 +21,14 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvmux.client import protocol as p
 from kvmux.client.endpoint import ipc_path
 from kvmux.client.errors import BadRequest, VersionMismatch
 
-from .config import ServerConfig
+from .config import ConfigError, ServerConfig
 from .errors import error_info
 from .logs import LogSubscription, hub
 from .scheduler import Scheduler
@@ -78,6 +80,7 @@ class Server:
         self._log_subs: dict[bytes, tuple[LogSubscription, anyio.CancelScope]] = {}
         self._rejects: dict[bytes, int] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        self._auth: AsyncioAuthenticator | None = None
         self.requests = 0
         self.rejected = 0
 
@@ -89,6 +92,8 @@ class Server:
         # A slow client's backlog is bounded by what it submitted; results are
         # also kept on the job, so a dropped event is recoverable by re-attach.
         sock.setsockopt(zmq.SNDHWM, 100_000)
+        if self.cfg.curve_secret_key:
+            self._enable_curve(sock)
         path = ipc_path(self.endpoint)
         if path is not None:
             prepare_ipc(path)
@@ -96,6 +101,31 @@ class Server:
         if path is not None:
             os.chmod(path, 0o660)
         self._sock = sock
+
+    def _enable_curve(self, sock: zmq.asyncio.Socket) -> None:
+        """Encrypt, and admit only clients whose public key is in the authorized folder."""
+        cfg = self.cfg
+        if not zmq.has("curve"):
+            raise ConfigError("this libzmq has no CURVE support", key="server.curve_secret_key")
+        try:
+            public, secret = zmq.auth.load_certificate(cfg.curve_secret_key)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load: {exc}", key="server.curve_secret_key") from exc
+        if secret is None:
+            raise ConfigError(
+                f"{cfg.curve_secret_key} holds no secret key: use the server's *.key_secret file",
+                key="server.curve_secret_key",
+            )
+        keys = Path(cfg.curve_authorized_keys)
+        if not keys.is_dir():
+            raise ConfigError(f"{keys} is not a folder", key="server.curve_authorized_keys")
+        # ZAP: libzmq asks this handler about every CURVE handshake on the context.
+        self._auth = AsyncioAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(keys))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
 
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -124,6 +154,9 @@ class Server:
         self._log_subs.clear()
         self._out.close()
         self._out_rx.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()
 
     async def flush(self, timeout: float = 2.0) -> None:

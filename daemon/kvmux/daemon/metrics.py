@@ -1,0 +1,113 @@
+"""Prometheus metrics on an optional loopback HTTP port (``metrics.listen``).
+
+Counters and gauges are read from the daemon's own tallies when scraped, so
+the decode loop pays nothing for them; only the latency histograms are
+observed as events happen (once per growth, once per item).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .app import Daemon
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """The daemon's registry: scrape-time tallies plus three histograms."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.lock_wait = Histogram(
+            "kvmux_growth_lock_wait_seconds",
+            "Time a KV growth waited for the growth lock",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvmux_time_to_first_token_seconds",
+            "From job acceptance to an item's first token",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "kvmux_time_per_output_token_seconds",
+            "Per item: decode time after the first token / (tokens - 1)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._server: Any = None
+
+    def attach(self, daemon: Daemon) -> None:
+        self.registry.register(_DaemonCollector(daemon))
+
+    def serve(self, listen: str) -> tuple[str, int]:
+        """Start the HTTP endpoint on ``host:port`` (loopback, checked by the config)."""
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]")
+        self._server, _ = start_http_server(int(port), addr=host, registry=self.registry)
+        bound: tuple[str, int] = self._server.server_address[:2]
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _DaemonCollector(Collector):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.daemon
+        sched, server, engine, coord = d.scheduler, d.server, d.engine, d.coordinator
+        if sched is None or server is None or engine is None:
+            return
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            return family
+
+        def gauge(name: str, doc: str, value: float | None) -> Metric:
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], float("nan") if value is None else value)
+            return family
+
+        requests = CounterMetricFamily("kvmux_requests", "Requests received", labels=["outcome"])
+        requests.add_metric(["accepted"], server.requests - server.rejected)
+        requests.add_metric(["rejected"], server.rejected)
+        yield requests
+        items = CounterMetricFamily("kvmux_items_finished", "Items finished", labels=["status"])
+        for status, count in sorted(sched.finished_by_code.items()):
+            items.add_metric([status], count)
+        yield items
+        yield counter("kvmux_tokens_generated", "Tokens generated", sched.tokens_generated)
+        counts = sched.counts()
+        yield gauge("kvmux_queue_depth", "Items waiting for a session", counts["sessions_queued"])
+        yield gauge("kvmux_sessions_active", "Sessions decoding", counts["sessions_active"])
+        yield gauge(
+            "kvmux_sessions_parked", "Sessions waiting for memory", counts["sessions_parked"]
+        )
+        yield gauge("kvmux_jobs_active", "Jobs with unfinished items", counts["jobs_active"])
+        yield gauge("kvmux_kv_bytes_in_use", "KV cache bytes allocated", engine.budget.used)
+        yield gauge("kvmux_kv_budget_bytes", "kv.memory_budget (NaN: none)", engine.budget.total)
+        yield counter("kvmux_kv_growths", "KV growths committed", coord.growths)
+        yield counter("kvmux_kv_growth_bytes_copied", "Bytes copied by growths", coord.bytes_copied)
+        failures = CounterMetricFamily(
+            "kvmux_kv_growth_failures", "KV growths refused, by cause", labels=["cause"]
+        )
+        for cause in ("out_of_memory", "budget", "injected", "error"):
+            failures.add_metric([cause], coord.failures.get(cause, 0))
+        yield failures
+        yield gauge("kvmux_clients", "Clients seen within client_timeout", server.clients)
