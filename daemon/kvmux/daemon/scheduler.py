@@ -157,6 +157,8 @@ class Scheduler:
             checks = await self.worker.run(self._admit_all, msg.items)
         finally:
             self._reserved -= n
+        if self.draining:  # the stop began while the items were being checked
+            raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
         job = JobState(job_id=secrets.token_hex(6), owner=owner, detached=msg.detach, name=msg.name)
         self._jobs[job.job_id] = job
         queue: deque[ItemState] = deque()

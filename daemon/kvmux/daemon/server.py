@@ -292,6 +292,9 @@ class Server:
                     silent_seconds=round(silent, 1),
                     cancelled_jobs=cancelled,
                 )
+            # Rejection tallies only rate-limit logging; forget senders that are gone.
+            for ident in [i for i in self._rejects if i not in self._clients]:
+                del self._rejects[ident]
             if self.scheduler is not None:
                 self.scheduler.prune_retained()
 
