@@ -184,3 +184,35 @@ async def test_detached_job_survives_its_client_and_reattaches(
         reproduced = decode_alone(reference, msgspec.structs.replace(item, seed=r.seed))
         assert r.token_ids == reproduced
     assert status.kv_bytes_in_use == 0
+
+
+async def test_a_closing_client_says_bye_and_its_jobs_end_at_once(
+    tiny_model: Path, sock_dir: Path
+) -> None:
+    # A long client_timeout: only the goodbye can end the job this quickly.
+    cfg = make_config(tiny_model, sock_dir, server={"client_timeout": 60.0})
+    long = [
+        Item(custom_id=str(i), prompt="long", max_new_tokens=1800, ignore_eos=True)
+        for i in range(4)
+    ]
+    async with running(cfg) as daemon, connected(daemon) as watcher:
+        async with connected(daemon) as leaving:
+            job = await leaving.submit(long)
+            kept = await leaving.submit(long[:1], detach=True)
+            async for ev in job.events():
+                if isinstance(ev, p.TokenDelta):
+                    break
+            assert (await watcher.status()).clients == 2
+        with anyio.fail_after(5):
+            while (status := await watcher.status()).jobs_active > 1:  # the detached one runs on
+                await anyio.sleep(0.05)
+        results = await (await watcher.attach(job.job_id)).results()
+        assert status.clients == 1
+        detached = await (await watcher.attach(kept.job_id)).results()
+    assert all(
+        r.error is not None and r.error.details["reason"] == "client_closed"
+        for r in results
+        if r.status == "error"
+    )
+    assert any(r.status == "error" for r in results)
+    assert [r.status for r in detached] == ["ok"]

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -158,6 +158,11 @@ class Client:
         return reply
 
     async def close(self) -> None:
+        """Say goodbye (the daemon cancels this client's jobs that were not detached) and close."""
+        if self._sock is not None and self._lost is None and self.welcome is not None:
+            # Best effort: a daemon that is gone cannot be told.
+            with contextlib.suppress(KvmuxError, TimeoutError, zmq.ZMQError):
+                await asyncio.wait_for(self._request(p.Bye(id=0)), min(self.timeout, 1.0))
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -218,8 +223,11 @@ class Client:
 
     async def logs(
         self, *, level: p.LogLevel = "info", job_id: str | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The daemon's log events as they happen, until the caller stops iterating."""
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The daemon's log events as they happen, until the caller stops iterating.
+
+        Close it (``contextlib.aclosing``) to unsubscribe at once rather than
+        when it is garbage-collected."""
         self._logs = asyncio.Queue()
         await self._request(p.SubscribeLogs(id=0, level=level, job_id=job_id))
         try:

@@ -107,8 +107,21 @@ class Heartbeat(_Request, tag="heartbeat", frozen=True):
     """Tells the daemon this client is alive; answered with :class:`Ack`."""
 
 
+class Bye(_Request, tag="bye", frozen=True):
+    """This client is leaving: its jobs that were not detached are cancelled now."""
+
+
 Request = (
-    Hello | Submit | Cancel | Attach | Detach | Status | SubscribeLogs | UnsubscribeLogs | Heartbeat
+    Hello
+    | Submit
+    | Cancel
+    | Attach
+    | Detach
+    | Status
+    | SubscribeLogs
+    | UnsubscribeLogs
+    | Heartbeat
+    | Bye
 )
 
 

@@ -248,16 +248,15 @@ class Scheduler:
         self._cancel_job(job, reason or Cancelled("cancelled by request", {"job_id": job_id}))
         return job
 
-    def client_gone(self, owner: bytes, silent_for: float) -> list[str]:
-        """Cancel the attached (not detached) jobs of a client that stopped heartbeating."""
+    def client_gone(self, owner: bytes, why: str, reason: str) -> list[str]:
+        """Cancel the jobs (not detached) of a client that left or stopped heartbeating."""
         gone = [j for j in self._jobs.values() if j.owner == owner and not j.detached]
         for job in gone:
             self._cancel_job(
                 job,
                 Cancelled(
-                    f"cancelled: its client stopped heartbeating ({silent_for:.1f} s silent) "
-                    "and the job was not detached",
-                    {"job_id": job.job_id, "reason": "client_gone"},
+                    f"cancelled: {why} and the job was not detached",
+                    {"job_id": job.job_id, "reason": reason},
                 ),
             )
         return [j.job_id for j in gone]

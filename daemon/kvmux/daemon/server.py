@@ -252,6 +252,9 @@ class Server:
                 self.send(ident, p.Ack(id=req.id))
             case p.Heartbeat():
                 self.send(ident, p.Ack(id=req.id))
+            case p.Bye():
+                self.send(ident, p.Ack(id=req.id))
+                self._forget(ident, "its client closed the connection", "client_closed")
 
     async def _submit(self, ident: bytes, req: p.Submit) -> None:
         sched = self.scheduler
@@ -281,22 +284,22 @@ class Server:
                 silent = now - seen
                 if silent <= self.cfg.client_timeout:
                     continue
-                del self._clients[ident]
-                self._rejects.pop(ident, None)
-                self._unsubscribe_logs(ident)
-                assert self.scheduler is not None
-                cancelled = self.scheduler.client_gone(ident, silent)
-                log.info(
-                    "client_gone",
-                    client=ident.hex(),
-                    silent_seconds=round(silent, 1),
-                    cancelled_jobs=cancelled,
+                self._forget(
+                    ident, f"its client stopped heartbeating ({silent:.1f} s silent)", "client_gone"
                 )
             # Rejection tallies only rate-limit logging; forget senders that are gone.
             for ident in [i for i in self._rejects if i not in self._clients]:
                 del self._rejects[ident]
             if self.scheduler is not None:
                 self.scheduler.prune_retained()
+
+    def _forget(self, ident: bytes, why: str, reason: str) -> None:
+        self._clients.pop(ident, None)
+        self._rejects.pop(ident, None)
+        self._unsubscribe_logs(ident)
+        assert self.scheduler is not None
+        cancelled = self.scheduler.client_gone(ident, why, reason)
+        log.info(reason, client=ident.hex(), why=why, cancelled_jobs=cancelled)
 
     def _subscribe_logs(self, ident: bytes, level: str, job_id: str | None) -> None:
         self._unsubscribe_logs(ident)

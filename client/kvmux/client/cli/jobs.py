@@ -1,0 +1,183 @@
+"""The batch-job commands: ``submit`` a JSONL file, collect ``results`` again, ``cancel``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import protocol as p
+from .._client import Job
+from ..errors import KvmuxError
+from .batch import Batch, read_batch
+from .connect import INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
+from .progress import Reporter, failure_label, make_reporter
+from .results import ResultWriter, refused_line, result_line
+
+# How long an interrupted command spends telling the daemon what to do with its job.
+_GOODBYE_SECONDS = 2.0
+
+
+def load_batch(path: str) -> Batch:
+    """Parse a batch file (``-`` = stdin); an unreadable file ends the command."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    batch = read_batch(line.rstrip(b"\r") for line in data.split(b"\n"))
+    if batch.total == 0:
+        raise CliError(f"{path} holds no items (every line is blank)")
+    return batch
+
+
+async def submit(args: argparse.Namespace) -> int:
+    """``kvmux submit FILE``: run a batch, writing results as they finish."""
+    batch = load_batch(args.file)
+    with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
+        writer = _open_writer(args.out, reporter, stack, detached=args.detach)
+        for err in batch.errors:
+            if writer is not None:
+                writer.write(refused_line(err))
+            reporter.note(failure_label(err.custom_id, err.to_info(), line=err.line))
+        if not batch.items:
+            reporter.note(f"no line of {args.file} is a valid item: nothing submitted")
+            return ITEMS_FAILED
+        client = await open_client(args.endpoint, args.timeout)
+        try:
+            job = await client.submit(batch.items, detach=args.detach, name=Path(args.file).name)
+            if args.detach:
+                print(job.job_id, flush=True)
+                reporter.note(
+                    f"job {job.job_id} runs detached ({len(batch.items)} items); collect it with "
+                    f"`kvmux results {job.job_id}`"
+                )
+                return ITEMS_FAILED if batch.errors else OK
+            reporter.start(job.job_id, batch.total)
+            for _ in batch.errors:
+                reporter.item(ok=False)
+            try:
+                await _collect(job, reporter, _need(writer), batch.lines)
+            except asyncio.CancelledError:
+                _uncancel()
+                with contextlib.suppress(KvmuxError, TimeoutError):
+                    await asyncio.wait_for(client.cancel(job.job_id), _GOODBYE_SECONDS)
+                return _interrupted(reporter, f"job {job.job_id} cancelled")
+        finally:
+            await client.close()
+        return _finish(reporter, args.out)
+
+
+async def results(args: argparse.Namespace) -> int:
+    """``kvmux results JOB_ID``: re-attach to a job and write all of its results."""
+    with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
+        writer = _need(_open_writer(args.out, reporter, stack, detached=False))
+        client = await open_client(args.endpoint, args.timeout)
+        try:
+            job = await client.attach(args.job_id)
+            reporter.start(job.job_id, job.total)
+            try:
+                await _collect(job, reporter, writer, None)
+            except asyncio.CancelledError:
+                _uncancel()
+                # Attaching made this client the job's owner; detach so that
+                # leaving does not cancel a job someone else submitted.
+                with contextlib.suppress(KvmuxError, TimeoutError):
+                    await asyncio.wait_for(client.detach(job.job_id), _GOODBYE_SECONDS)
+                return _interrupted(
+                    reporter, f"job {job.job_id} keeps running; `kvmux results {job.job_id}` again"
+                )
+        finally:
+            await client.close()
+        return _finish(reporter, args.out)
+
+
+async def cancel(args: argparse.Namespace) -> int:
+    """``kvmux cancel JOB_ID``: its queued and running items end as ``cancelled``."""
+    client = await open_client(args.endpoint, args.timeout)
+    try:
+        await client.cancel(args.job_id)
+    finally:
+        await client.close()
+    print(f"kvmux: cancelled job {args.job_id}", file=sys.stderr)
+    return OK
+
+
+async def _collect(
+    job: Job, reporter: Reporter, writer: ResultWriter, line_of: Sequence[int] | None
+) -> None:
+    """Write every result of ``job`` once, as it finishes, and feed the progress display."""
+    seen: set[int] = set()
+
+    def record(result: p.ItemResult) -> None:
+        if result.index in seen:
+            return
+        seen.add(result.index)
+        line = line_of[result.index] if line_of is not None else None
+        writer.write(result_line(result, line))
+        label = None
+        if result.error is not None:
+            label = failure_label(result.custom_id, result.error, line=line, index=result.index)
+        reporter.item(result.status == "ok", label)
+
+    # Results that finished before an attach came with its reply.
+    for index in sorted(job.results_by_index):
+        record(job.results_by_index[index])
+    try:
+        async for event in job.events():
+            match event:
+                case p.TokenDelta(token_ids=ids):
+                    reporter.tokens(len(ids))
+                case p.ItemFinished(result=result):
+                    record(result)
+        if len(seen) < job.total:
+            # The stream dropped an event: the results call re-attaches for the rest.
+            for result in await job.results():
+                record(result)
+    except KvmuxError as exc:
+        reporter.stop()
+        raise CliError(
+            f"{exc} Job {job.job_id}: {len(seen)} of {job.total} results written before this."
+        ) from exc
+
+
+def _open_writer(
+    out: str | None, reporter: Reporter, stack: contextlib.ExitStack, *, detached: bool
+) -> ResultWriter | None:
+    if out is None:
+        # A detached submit prints only the job id on stdout, for scripts.
+        return None if detached else reporter.stdout_writer()
+    try:
+        stream = stack.enter_context(Path(out).open("w", encoding="utf-8"))  # noqa: SIM115
+    except OSError as exc:
+        raise CliError(f"cannot write {out}: {exc.strerror or exc}") from None
+    return ResultWriter.to_stream(stream)
+
+
+def _need(writer: ResultWriter | None) -> ResultWriter:
+    assert writer is not None, "only a detached submit has no writer"
+    return writer
+
+
+def _finish(reporter: Reporter, out: str | None) -> int:
+    reporter.stop()
+    where = f"; results in {out}" if out else ""
+    reporter.note(f"job {reporter.job_id}: {reporter.tally.summary()}{where}")
+    return ITEMS_FAILED if reporter.tally.failed else OK
+
+
+def _interrupted(reporter: Reporter, what: str) -> int:
+    reporter.stop()
+    tally = reporter.tally
+    reporter.note(f"interrupted: {what}; {tally.done} of {tally.total} results written")
+    return INTERRUPTED
+
+
+def _uncancel() -> None:
+    # asyncio.run turns Ctrl-C into a cancellation of the main task; taking it
+    # back lets the command say goodbye to the daemon and exit with 130.
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()

@@ -1,0 +1,91 @@
+"""``kvmux logs``: the daemon's structured log events, pretty on a terminal, JSON lines otherwise.
+
+The daemon streams events live and keeps no history (``journalctl -u kvmuxd``
+or its ``log.file`` has the past). So without ``-f`` the command shows what
+arrives within ``--window`` seconds; with ``-f`` it follows until Ctrl-C.
+With ``--job`` it stops at that job's ``job_finished`` event either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.text import Text
+
+from .connect import OK, open_client
+
+_LEVEL_STYLES = {
+    "debug": "dim",
+    "info": "green",
+    "warning": "yellow",
+    "error": "bold red",
+    "critical": "bold white on red",
+}
+_HEADER = ("timestamp", "level", "event")
+
+
+async def logs(args: argparse.Namespace) -> int:
+    client = await open_client(args.endpoint, args.timeout)
+    console = Console(soft_wrap=True) if sys.stdout.isatty() else None
+    scope = f" of job {args.job}" if args.job else ""
+    span = "until Ctrl-C" if args.follow else f"for {args.window:g} s"
+    if args.job:
+        span += " or the job's end"
+    print(
+        f"kvmux: showing {client.endpoint} logs{scope} at level {args.level} and above, {span}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        # Closing the generator (on break) unsubscribes now, not at garbage collection.
+        stream = client.logs(level=args.level, job_id=args.job)
+        async with (
+            contextlib.aclosing(stream),
+            asyncio.timeout(None if args.follow else args.window),
+        ):
+            async for record in stream:
+                if console is not None:
+                    console.print(pretty(record), highlight=False)
+                else:
+                    sys.stdout.write(msgspec.json.encode(record).decode() + "\n")
+                    sys.stdout.flush()
+                if args.job and _ends(record, args.job):
+                    break
+    except TimeoutError:
+        pass  # the window is over
+    except asyncio.CancelledError:
+        # Ctrl-C is how one stops following: not an error.
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+    finally:
+        await client.close()
+    return OK
+
+
+def _ends(record: dict[str, Any], job_id: str) -> bool:
+    return record.get("event") == "job_finished" and record.get("job_id") == job_id
+
+
+def pretty(record: dict[str, Any]) -> Text:
+    """``12:00:01.123 info    event key=value ...`` with the level coloured."""
+    stamp = str(record.get("timestamp", ""))
+    level = str(record.get("level", ""))
+    text = Text()
+    # ISO 8601 UTC from the daemon: the time of day is what a reader scans for.
+    text.append(stamp[11:23] if len(stamp) >= 23 else stamp, style="dim")
+    text.append(" ")
+    text.append(f"{level:<8}", style=_LEVEL_STYLES.get(level, ""))
+    text.append(str(record.get("event", "")), style="bold")
+    for key, value in record.items():
+        if key in _HEADER:
+            continue
+        text.append(f" {key}=", style="cyan")
+        text.append(value if isinstance(value, str) else msgspec.json.encode(value).decode())
+    return text

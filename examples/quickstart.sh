@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# kvmux in one command, on a fresh machine, CPU only:
+#   1. create .venv (python3 -m venv) if missing and install kvmux with the cpu extra,
+#   2. start kvmuxd with configs/local.toml (it builds the built-in tiny model on first use),
+#   3. wait until it answers, show its status,
+#   4. submit examples/prompts.jsonl through the kvmux CLI and print the results,
+#   5. stop the daemon (SIGTERM), also when a step fails or on Ctrl-C.
+#
+# examples/prompts.jsonl holds one item that deliberately exceeds its
+# max_context, so `kvmux submit` exits 2 ("some items failed"). This script
+# exits 0 when the run went as designed: every item ok except that one, which
+# failed with kv_capacity_exceeded. Anything else: the submit's exit status
+# (1 if the submit itself exited 0).
+#
+# Environment: PYTHON (default python3) makes the venv; KVMUX_QUICKSTART_DIR
+# keeps the daemon log and results (default: a new temporary folder).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+venv=.venv
+if [[ ! -x $venv/bin/python ]]; then
+    echo "quickstart: creating $venv"
+    "${PYTHON:-python3}" -m venv "$venv"
+fi
+echo "quickstart: installing kvmux[cpu] into $venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[cpu]'
+py=$venv/bin/python
+kvmux=$venv/bin/kvmux
+
+work=${KVMUX_QUICKSTART_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvmux-quickstart.XXXXXX")}
+mkdir -p "$work"
+results=$work/results.jsonl
+daemon_log=$work/kvmuxd.log
+
+# Talk to the daemon started here, not to a system service that may also run.
+KVMUX_ENDPOINT=$("$py" -c 'from kvmux.client import daemon_default_endpoint as d; print(d())')
+export KVMUX_ENDPOINT
+
+echo "quickstart: starting kvmuxd --config configs/local.toml at $KVMUX_ENDPOINT (log: $daemon_log)"
+"$venv/bin/kvmuxd" --config configs/local.toml >"$daemon_log" 2>&1 &
+daemon=$!
+
+stop_daemon() {
+    if kill -0 "$daemon" 2>/dev/null; then
+        echo "quickstart: stopping kvmuxd (SIGTERM)"
+        kill -TERM "$daemon"
+        wait "$daemon" || true
+    fi
+}
+trap stop_daemon EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# Up to 120 s (the first start builds the model), noticing at once if the daemon died.
+deadline=$((SECONDS + 120))
+until "$kvmux" status --wait 2 >/dev/null 2>&1; do
+    if ! kill -0 "$daemon" 2>/dev/null; then
+        echo "quickstart: kvmuxd exited during startup; its log:" >&2
+        cat "$daemon_log" >&2
+        exit 1
+    fi
+    if ((SECONDS >= deadline)); then
+        echo "quickstart: kvmuxd did not answer within 120 s; its log: $daemon_log" >&2
+        exit 1
+    fi
+done
+"$kvmux" status
+
+echo
+echo "quickstart: kvmux submit examples/prompts.jsonl --out $results"
+rc=0
+"$kvmux" submit examples/prompts.jsonl --out "$results" || rc=$?
+
+if [[ ! -s $results ]]; then
+    echo "quickstart: kvmux submit exited $rc and wrote no results; daemon log: $daemon_log" >&2
+    exit $((rc == 0 ? 1 : rc))
+fi
+
+echo
+echo "quickstart: results ($results; one JSON object per line, in finishing order):"
+"$py" - "$results" <<'EOF'
+import json
+import sys
+
+rows = sorted((json.loads(line) for line in open(sys.argv[1], encoding="utf-8")), key=lambda r: r["line"])
+for r in rows:
+    if r["status"] == "ok":
+        u = r["usage"]
+        what = f"{u['completion_tokens']} tokens, finish {r['finish_reason']}: {r['text'][:40]!r}"
+    else:
+        what = f"{r['error']['code']}: {r['error']['message'][:100]}..."
+    print(f"  line {r['line']} {r['custom_id']:<26} {r['status']:<5} {what}")
+EOF
+
+expected=$("$py" - "$results" <<'EOF'
+import json
+import sys
+
+rows = [json.loads(line) for line in open(sys.argv[1], encoding="utf-8")]
+failed = {r["custom_id"]: r["error"]["code"] for r in rows if r["status"] != "ok"}
+print("yes" if failed == {"too-long-for-its-context": "kv_capacity_exceeded"} else "no")
+EOF
+)
+echo
+if [[ $rc -eq 2 && $expected == yes ]]; then
+    echo "quickstart: as designed: every item ok except the one over its max_context (kv_capacity_exceeded)"
+    exit 0
+fi
+echo "quickstart: unexpected outcome (kvmux submit exited $rc); daemon log: $daemon_log" >&2
+exit $((rc == 0 ? 1 : rc))
