@@ -179,6 +179,32 @@ async def test_sigterm_drains_then_ends_the_rest_with_shutdown(
     assert events.index("daemon_draining") < events.index("daemon_stopped")
 
 
+async def test_a_second_sigterm_stops_at_once(
+    tiny_model: Path, sock_dir: Path, tmp_path: Path
+) -> None:
+    endpoint = f"ipc://{sock_dir}/kvmuxd.sock"
+    cfg = write_config(tmp_path / "k.toml", tiny_model, endpoint, "[shutdown]\ngrace = 60.0\n")
+    long = [Item(prompt="s", max_new_tokens=2000, ignore_eos=True) for _ in range(40)]
+    with kvmuxd_process(cfg) as proc:
+        client = await wait_connected(endpoint, proc)
+        try:
+            job = await client.submit(long)
+            async for ev in job.events():
+                if isinstance(ev, p.TokenDelta):
+                    break
+            proc.send_signal(signal.SIGTERM)
+            await anyio.sleep(0.3)
+            assert proc.poll() is None  # draining: the grace is 60 s
+            proc.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            out, _ = await anyio.to_thread.run_sync(lambda: proc.communicate(timeout=30))
+        finally:
+            await client.close()
+    assert proc.returncode == 0 and time.monotonic() - started < 10
+    events = [json.loads(line)["event"] for line in out.splitlines() if line.startswith("{")]
+    assert "daemon_crashed" not in events and events[-1] == "daemon_stopped"
+
+
 async def test_sighup_reopens_the_log_file(
     tiny_model: Path, sock_dir: Path, tmp_path: Path
 ) -> None:

@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         log.critical("daemon_crashed", exc_info=err)
         return 1
     finally:
+        # Stopped: a late second signal must not turn a clean exit into "killed".
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         close_log_file()
     return 0
 

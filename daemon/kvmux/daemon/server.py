@@ -171,7 +171,10 @@ class Server:
 
     # -- sending -----------------------------------------------------------------
     def send(self, ident: bytes, msg: p.Reply) -> None:
-        self._out.send_nowait((ident, p.encode(msg)))
+        try:
+            self._out.send_nowait((ident, p.encode(msg)))
+        except anyio.ClosedResourceError:
+            pass  # the socket is closed (a forced stop): nothing can be delivered any more
 
     def deliver(self, owner: bytes, events: list[p.Event]) -> None:
         """The scheduler's outlet: one message per client per step."""
