@@ -70,6 +70,7 @@ class Job:
                 pass
         if len(self.results_by_index) < self.total:
             attached = await self.client._attach_reply(self.job_id)
+            self.client._handles.pop(attached.id, None)
             for r in attached.results:
                 self.results_by_index[r.index] = r
         return [self.results_by_index[i] for i in sorted(self.results_by_index)]
@@ -109,7 +110,8 @@ class Client:
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[p.Reply]] = {}
-        self._jobs: dict[str, Job] = {}
+        self._jobs: dict[str, Job] = {}  # jobs whose events are still to come
+        self._handles: dict[int, Job] = {}  # request id -> the Job its reply made
         self._logs: asyncio.Queue[p.LogEvents] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_recv = time.monotonic()
@@ -198,12 +200,12 @@ class Client:
                 ) from exc
         reply = await self._request(p.Submit(id=0, items=checked, detach=detach, name=name))
         assert isinstance(reply, p.Accepted)
-        return self._jobs[reply.job_id]
+        return self._handles.pop(reply.id)
 
     async def attach(self, job_id: str) -> Job:
         """Re-attach to a job (e.g. submitted with ``detach=True`` by an earlier client)."""
-        await self._attach_reply(job_id)
-        return self._jobs[job_id]
+        reply = await self._attach_reply(job_id)
+        return self._handles.pop(reply.id)
 
     async def _attach_reply(self, job_id: str) -> p.Attached:
         reply = await self._request(p.Attach(id=0, job_id=job_id))
@@ -278,20 +280,27 @@ class Client:
                     job = self._jobs.get(ev.job_id)
                     if job is not None:
                         job._push(ev)
+                        if isinstance(ev, p.JobFinished):
+                            # Nothing more will come: the caller's Job object
+                            # holds the results; a long-lived client stays small.
+                            del self._jobs[ev.job_id]
                 return
             case p.LogEvents():
                 if self._logs is not None:
                     self._logs.put_nowait(reply)
                 return
-            case p.Accepted(job_id=job_id, total=total):
-                # Registered before the submitter wakes: the job's events may
-                # be in the very next message.
-                self._jobs.setdefault(job_id, Job(self, job_id, total))
-            case p.Attached(job_id=job_id, total=total, results=results, done=done):
+            case p.Accepted(id=rid, job_id=job_id, total=total):
+                # Registered before the submitter wakes: the job's events (its
+                # end included) may be in the very next message.
+                self._handles[rid] = self._jobs.setdefault(job_id, Job(self, job_id, total))
+            case p.Attached(id=rid, job_id=job_id, total=total, results=results, done=done):
                 job = self._jobs.setdefault(job_id, Job(self, job_id, total))
                 job._seed(results, done)
-        rid = getattr(reply, "id", None)
-        fut = self._pending.get(rid) if rid is not None else None
+                self._handles[rid] = job
+                if done:
+                    del self._jobs[job_id]  # finished: no events will follow
+        reply_id: int | None = getattr(reply, "id", None)
+        fut = self._pending.get(reply_id) if reply_id is not None else None
         if fut is not None and not fut.done():
             fut.set_result(reply)
 

@@ -8,6 +8,7 @@ is logged with its traceback and answered ``internal``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -171,10 +172,9 @@ class Server:
 
     # -- sending -----------------------------------------------------------------
     def send(self, ident: bytes, msg: p.Reply) -> None:
-        try:
+        # After a forced stop closed the stream nothing can be delivered any more.
+        with contextlib.suppress(anyio.ClosedResourceError):
             self._out.send_nowait((ident, p.encode(msg)))
-        except anyio.ClosedResourceError:
-            pass  # the socket is closed (a forced stop): nothing can be delivered any more
 
     def deliver(self, owner: bytes, events: list[p.Event]) -> None:
         """The scheduler's outlet: one message per client per step."""

@@ -226,19 +226,36 @@ class Engine:
         """:meth:`admit` and :meth:`open_session` in one call."""
         return self.open_session(self.admit(prompt, params, max_context=max_context), session_id)
 
-    def step_many(self, sessions: Sequence[DecodeSession]) -> list[StepOutput | Exception]:
-        """One step of each ready session; a session's failure is its own entry.
+    def step_many(
+        self, sessions: Sequence[DecodeSession], steps: int = 1
+    ) -> list[StepOutput | Exception]:
+        """``steps`` steps of each ready session, merged per session; a failure is its entry.
 
-        The scheduler hands over the whole ready set, so running several
-        sessions as one batched model run is a change here, not there.
+        A session that finishes or fails stops there; the others go on. The
+        caller makes sure each session has room for ``steps`` tokens. The
+        scheduler hands over the whole ready set, so running several sessions
+        as one batched model run is a change here, not there.
         """
-        out: list[StepOutput | Exception] = []
-        for session in sessions:
-            try:
-                failpoints.hit("engine.step")
-                out.append(session.step())
-            except Exception as exc:  # noqa: BLE001 - the scheduler fails that item alone
-                out.append(exc)
+        out: list[StepOutput | Exception] = [StepOutput() for _ in sessions]
+        live = list(range(len(sessions)))
+        for _ in range(steps):
+            still = []
+            for i in live:
+                try:
+                    failpoints.hit("engine.step")
+                    step = sessions[i].step()
+                except Exception as exc:  # noqa: BLE001 - the scheduler fails that item alone
+                    out[i] = exc
+                    continue
+                merged = out[i]
+                assert isinstance(merged, StepOutput)
+                merged.token_ids.extend(step.token_ids)
+                merged.text += step.text
+                if step.finished:
+                    merged.finished, merged.finish_reason = True, step.finish_reason
+                else:
+                    still.append(i)
+            live = still
         return out
 
     def generate(

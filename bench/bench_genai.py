@@ -1,0 +1,220 @@
+"""kvmux against onnxruntime-genai's Generator on the same builder-produced model.
+
+The model is exported offline by onnxruntime-genai's own model builder (the
+recipe of ``tests/genai/genai_fixture.py``: a seeded random-weight Llama and
+a locally trained tokenizer), cached under ``models/``. Both sides decode
+greedily with the same ``intra_op_num_threads`` (set for the Generator
+through ``Config.overlay``), measured interleaved in one run:
+
+- one session: kvmux's engine (``DecodeSession``) vs a Generator of batch 1;
+- N sessions: kvmux's engine stepping all N (``step_many``, as the daemon's
+  scheduler does), kvmux through ``kvmuxd`` (a subprocess), vs the Generator
+  running the N prompts one after another, and as one static batch of N.
+
+Prompts are screened so that every one decodes its full ``max_new_tokens``
+without reaching eos: both systems do exactly the same work, and tokens are
+checked equal. The Generator's KV buffer is sized ``prompt + new`` (its
+``max_length``) and kvmux's first bucket is 256, which ``prompt + new`` is
+set to, so both bind the same capacity. Needs the [genai] extra; run with
+    .venv-genai/bin/python -m bench.bench_genai [--quick] [--threads N] [--size fixture|small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from bench.bench_daemon import Run, kvmuxd, run_daemon, run_inprocess
+from bench.common import MODELS, write_json
+from kvmux.client import Client
+from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
+from tests.genai import genai_fixture as gf
+
+PROMPT_LEN = 16
+N_NEW = 240  # prompt + new = 256: the Generator's buffer and kvmux's first bucket agree
+
+# "fixture" is the test suite's model as is; "small" widens it toward the
+# built-in small model (the vocabulary stays clear of every Linear width).
+SIZES: dict[str, dict[str, int]] = {
+    "fixture": {},
+    "small": {"HIDDEN_SIZE": 512, "INTERMEDIATE_SIZE": 1408, "NUM_LAYERS": 8, "HEAD_DIM": 64},
+}
+
+
+def build_model(size: str) -> Path:
+    """Export (once) the genai-builder model of ``size``; returns its folder."""
+    root = MODELS / f"genai-bench-{size}"
+    out = root / "onnx"
+    if (out / "genai_config.json").is_file():
+        return out
+    for name, value in SIZES[size].items():
+        setattr(gf, name, value)
+    hf = gf.build_hf_llama(root / "hf", seed=0)
+    return gf.export_with_genai_builder(hf, out)
+
+
+class GenaiPeer:
+    """onnxruntime-genai's Generator on one loaded model, threads set by overlay."""
+
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model_dir))
+        if threads:
+            opts = f'{{"intra_op_num_threads": {threads}}}'
+            config.overlay(f'{{"model": {{"decoder": {{"session_options": {opts}}}}}}}')
+        self.model = og.Model(config)
+
+    def batch(self, prompts: list[list[int]], n_new: int) -> tuple[list[list[int]], float]:
+        """One static batch of equal-length prompts; new tokens per row, and the wall time."""
+        og = self.og
+        t0 = time.perf_counter()
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(
+            do_sample=False, max_length=len(prompts[0]) + n_new, batch_size=len(prompts)
+        )
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(np.asarray(prompts, dtype=np.int32))
+        out: list[list[int]] = [[] for _ in prompts]
+        steps = 0
+        while not gen.is_done() and steps < n_new:
+            gen.generate_next_token()
+            for row, tok in zip(out, gen.get_next_tokens(), strict=True):
+                row.append(int(tok))
+            steps += 1
+        return out, time.perf_counter() - t0
+
+    def sequential(self, prompts: list[list[int]], n_new: int) -> tuple[list[list[int]], float]:
+        t0 = time.perf_counter()
+        out = [self.batch([pr], n_new)[0][0] for pr in prompts]
+        return out, time.perf_counter() - t0
+
+
+def screened_prompts(engine: Engine, n: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts (BOS + random ids) that each decode ``N_NEW`` tokens without eos."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
+    out: list[list[int]] = []
+    while len(out) < n:
+        prompt = [gf.BOS_ID, *(int(t) for t in rng.integers(4, vocab, PROMPT_LEN - 1))]
+        if engine.generate(prompt, params).finish_reason == "length":
+            out.append(prompt)
+    return out
+
+
+def tps(tokens: int, walls: list[float]) -> float:
+    return tokens / statistics.median(walls)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    model = build_model(args.size)
+    repeats = 3 if args.quick else 5
+    sizes = [4] if args.quick else [4, 16]
+    engine = Engine(model, EngineOptions(intra_op_threads=args.threads, min_bucket=256))
+    peer = GenaiPeer(model, args.threads)
+    spec = engine.spec
+    print(
+        f"genai-builder model '{args.size}': hidden {spec.hidden_size}, {spec.num_layers} layers, "
+        f"vocab {spec.vocab_size}; onnxruntime-genai {getattr(peer.og, '__version__', '?')}"
+    )
+    print(
+        f"intra_op_num_threads={args.threads or 'default'} on both sides; greedy; prompt "
+        f"{PROMPT_LEN}; {N_NEW} new tokens per session (screened: no eos); {repeats} repeats"
+    )
+    prompts_all = screened_prompts(engine, max(sizes), spec.vocab_size, seed=1)
+    result: dict[str, Any] = {"size": args.size, "threads": args.threads, "repeats": repeats}
+
+    # One session.
+    one = prompts_all[:1]
+    params = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
+    engine.generate(one[0], SamplingParams(max_new_tokens=8, temperature=0.0))  # warm-up
+    peer.batch(one, 8)
+    kv_w, gen_w = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        c = engine.generate(one[0], params)
+        kv_w.append(time.perf_counter() - t0)
+        toks, w = peer.batch(one, N_NEW)
+        gen_w.append(w)
+        if toks[0] != c.token_ids:
+            raise AssertionError("kvmux and the Generator decoded different tokens")
+    single = {"kvmux_tokens_per_s": tps(N_NEW, kv_w), "generator_tokens_per_s": tps(N_NEW, gen_w)}
+    single["ratio"] = single["kvmux_tokens_per_s"] / single["generator_tokens_per_s"]
+    result["single"] = single
+    print(f"\n{'one session':<34}{'tokens/s':>10}")
+    print(f"{'kvmux DecodeSession':<34}{single['kvmux_tokens_per_s']:>10.1f}")
+    print(f"{'genai Generator (batch 1)':<34}{single['generator_tokens_per_s']:>10.1f}")
+    print(f"kvmux / Generator = {single['ratio']:.3f}")
+
+    rows = []
+    tables = {"kv": {"min_bucket": 256}, "scheduler": {"max_active_sessions": max(sizes)}}
+    async with (
+        kvmuxd(model, threads=args.threads, tables=tables) as daemon,
+        Client(daemon.endpoint, timeout=60.0) as client,
+    ):
+        await run_daemon(client, one, 8)
+        for n in sizes:
+            prompts = prompts_all[:n]
+            walls: dict[str, list[float]] = {k: [] for k in ("engine", "daemon", "seq", "batch")}
+            want: list[list[int]] | None = None
+            for rep in range(repeats):
+                order = ["engine", "daemon", "seq", "batch"]
+                for side in order[rep % 4 :] + order[: rep % 4]:
+                    if side == "engine":
+                        r: Run = await anyio.to_thread.run_sync(
+                            run_inprocess, engine, prompts, N_NEW
+                        )
+                        toks, w = [r.tokens[i] for i in range(n)], r.wall
+                    elif side == "daemon":
+                        r = await run_daemon(client, prompts, N_NEW)
+                        toks, w = [r.tokens[i] for i in range(n)], r.wall
+                    elif side == "seq":
+                        toks, w = await anyio.to_thread.run_sync(peer.sequential, prompts, N_NEW)
+                    else:
+                        toks, w = await anyio.to_thread.run_sync(peer.batch, prompts, N_NEW)
+                    want = want or toks
+                    if toks != want:
+                        raise AssertionError(f"N={n}: {side} decoded other tokens")
+                    walls[side].append(w)
+            total = n * N_NEW
+            row = {"n": n, **{f"{k}_tokens_per_s": tps(total, v) for k, v in walls.items()}}
+            rows.append(row)
+    result["rows"] = rows
+    print(
+        f"\n{'N':>3}{'kvmux engine':>14}{'kvmux daemon':>14}{'genai seq':>11}{'genai batch':>13}"
+        f"{'engine/seq':>12}{'engine/batch':>14}{'daemon/batch':>14}   (tokens/s)"
+    )
+    for row in rows:
+        print(
+            f"{row['n']:>3}{row['engine_tokens_per_s']:>14.1f}{row['daemon_tokens_per_s']:>14.1f}"
+            f"{row['seq_tokens_per_s']:>11.1f}{row['batch_tokens_per_s']:>13.1f}"
+            f"{row['engine_tokens_per_s'] / row['seq_tokens_per_s']:>12.3f}"
+            f"{row['engine_tokens_per_s'] / row['batch_tokens_per_s']:>14.3f}"
+            f"{row['daemon_tokens_per_s'] / row['batch_tokens_per_s']:>14.3f}"
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="N = 4 only, fewer repeats")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: each default)")
+    ap.add_argument("--size", default="fixture", choices=sorted(SIZES))
+    args = ap.parse_args(argv)
+    result = anyio.run(bench, args)
+    path = write_json(f"genai-{args.size}", result)
+    print("tokens equal between kvmux and the Generator (greedy) in every run")
+    print(f"written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
