@@ -4,10 +4,11 @@ One loop owns all session state. Each turn it settles what happened since the
 last one (cancellations, failed growths), admits queued items up to
 ``scheduler.max_active_sessions`` (round-robin across jobs, so one big job
 cannot starve a small one), sends every session that needs more KV to the
-growth coordinator, and steps every other ready session once — prefill in
-chunks of ``prefill_chunk`` tokens, decode one token — in a single call to
-the engine's worker thread. A turn is a function of the *set* of ready
-sessions, so batching them into one model run is a change to the engine.
+growth coordinator, and steps every other ready session — prefill in chunks
+of ``prefill_chunk`` tokens, decode one token, or a few decode tokens while
+nothing can change the ready set — in a single call to the engine's worker
+thread. A turn is a function of the *set* of ready sessions, so batching them
+into one model run is a change to the engine.
 
 Sessions are only ever released by the loop, between turns, when no step is
 in flight. A failure inside one session ends that item alone.
