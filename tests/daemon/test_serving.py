@@ -277,3 +277,25 @@ async def test_a_failing_session_fails_its_item_alone(
     if code == "internal":
         (logged,) = [e for e in logs if e["event"] == "internal_error"]
         assert logged["session_id"].endswith("/0") and logged["exc_info"] is not None
+
+
+async def test_finished_jobs_are_kept_within_their_bounds(tiny_model: Path, sock_dir: Path) -> None:
+    """Results stay for re-attach, but the oldest go once the jobs' tokens pass the bound."""
+    cfg = make_config(tiny_model, sock_dir, jobs={"max_retained_tokens": 100})
+    item = Item(prompt="keep", max_new_tokens=40, ignore_eos=True)
+    async with running(cfg) as daemon, connected(daemon) as client:
+        jobs = []
+        for _ in range(4):
+            job = await client.submit([item])
+            await job.results()
+            jobs.append(job.job_id)
+        status = await client.status()
+        # 4 x 40 tokens: the oldest two went, the newest two (80 tokens) stay.
+        with pytest.raises(NotFound, match="max_retained_tokens"):
+            await client.attach(jobs[0])
+        with pytest.raises(NotFound):
+            await client.attach(jobs[1])
+        for job_id in jobs[2:]:
+            (result,) = await (await client.attach(job_id)).results()
+            assert len(result.token_ids) == 40
+    assert status.jobs_retained == 2

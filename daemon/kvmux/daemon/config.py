@@ -113,6 +113,7 @@ class JobsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
     retention: PositiveFloat = 3600.0
     max_retained: PositiveInt = 1000
+    max_retained_tokens: PositiveInt = 2_000_000
 
 
 class LogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

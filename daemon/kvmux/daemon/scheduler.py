@@ -98,6 +98,7 @@ class JobState:
     finished_at: float | None = None
     ok: int = 0
     failed: int = 0
+    tokens: int = 0  # generated tokens its results hold
 
     @property
     def done(self) -> bool:
@@ -131,6 +132,7 @@ class Scheduler:
         self._active: list[ItemState] = []
         self._jobs: dict[str, JobState] = {}
         self._retained: OrderedDict[str, JobState] = OrderedDict()
+        self._retained_tokens = 0
         self._outbox: dict[bytes, list[Event]] = {}
         self._wake = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -237,8 +239,9 @@ class Scheduler:
         if job is None:
             raise NotFound(
                 f"no job {job_id!r}: it never existed here, or its results were dropped after "
-                f"jobs.retention ({self.jobs_cfg.retention:g} s) / jobs.max_retained "
-                f"({self.jobs_cfg.max_retained})",
+                f"jobs.retention ({self.jobs_cfg.retention:g} s), jobs.max_retained "
+                f"({self.jobs_cfg.max_retained}) or jobs.max_retained_tokens "
+                f"({self.jobs_cfg.max_retained_tokens})",
                 {"job_id": job_id},
             )
         return job
@@ -542,6 +545,7 @@ class Scheduler:
         state.result = result
         state.phase = "done"
         state.admission = None
+        job.tokens += len(result.token_ids)
         if result.status == "ok":
             job.ok += 1
             n = len(result.token_ids)
@@ -577,6 +581,7 @@ class Scheduler:
         job.finished_at = time.monotonic()
         self._jobs.pop(job.job_id, None)
         self._retained[job.job_id] = job
+        self._retained_tokens += job.tokens
         self._emit(
             job,
             JobFinished(job_id=job.job_id, total=len(job.items), ok=job.ok, failed=job.failed),
@@ -587,14 +592,19 @@ class Scheduler:
         self.prune_retained()
 
     def prune_retained(self) -> None:
-        """Drop finished jobs past ``jobs.retention`` seconds or beyond ``jobs.max_retained``."""
-        cutoff = time.monotonic() - self.jobs_cfg.retention
+        """Drop the oldest finished jobs past ``jobs.retention`` seconds, beyond
+        ``jobs.max_retained`` jobs or ``jobs.max_retained_tokens`` tokens (the newest stays)."""
+        cfg = self.jobs_cfg
+        cutoff = time.monotonic() - cfg.retention
         while self._retained:
             oldest = next(iter(self._retained.values()))
             expired = oldest.finished_at is not None and oldest.finished_at < cutoff
-            if not expired and len(self._retained) <= self.jobs_cfg.max_retained:
+            too_many = len(self._retained) > cfg.max_retained
+            too_big = self._retained_tokens > cfg.max_retained_tokens and len(self._retained) > 1
+            if not (expired or too_many or too_big):
                 break
             self._retained.popitem(last=False)
+            self._retained_tokens -= oldest.tokens
 
     # -- events ----------------------------------------------------------------------
     def _emit(self, job: JobState, event: Event) -> None:
