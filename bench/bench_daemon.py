@@ -165,10 +165,13 @@ async def kvmuxd(
                         f"kvmuxd exited with {proc.returncode} at startup:\n{daemon.stderr_tail()}"
                     )
                 try:
-                    async with Client(endpoint, timeout=1.0):
-                        break
+                    async with Client(endpoint, timeout=1.0) as probe:
+                        # The socket answers while the model loads; wait for ready.
+                        if (await probe.status()).state == "ready":
+                            break
                 except DaemonUnreachable:
-                    await anyio.sleep(0.05)
+                    pass
+                await anyio.sleep(0.05)
         yield daemon
     finally:
         if daemon.alive():

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from io import StringIO
 from pathlib import Path
 
@@ -13,8 +14,10 @@ import anyio
 import pytest
 import structlog
 
-from kvmux.client import Client, DaemonUnreachable, Item
+from kvmux.client import Client, DaemonUnreachable, Item, NotReady
+from kvmux.daemon.app import Daemon
 from kvmux.daemon.config import EX_CONFIG
+from kvmux.daemon.engine import Engine
 from kvmux.daemon.logs import configure_logging
 
 from .conftest import connected, make_config, running
@@ -73,6 +76,8 @@ async def test_daemon_process_serves_a_job_and_stops_on_sigterm(
                     except DaemonUnreachable:
                         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
                         await anyio.sleep(0.1)
+                while (await client.status()).state == "loading":
+                    await anyio.sleep(0.05)
             try:
                 job = await client.submit([Item(custom_id="a", prompt="hello", max_new_tokens=30)])
                 (result,) = await job.results()
@@ -144,3 +149,37 @@ async def test_log_events_name_the_job_and_reach_a_subscriber(
     assert seen and all(r["job_id"] == watched.job_id for r in seen)
     assert {"session_started", "session_finished", "job_finished"} <= {r["event"] for r in seen}
     assert all(isinstance(r["timestamp"], str) and r["level"] == "info" for r in seen)
+
+
+async def test_status_says_loading_until_the_model_is_loaded(
+    tiny_model: Path, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket answers while a (slow) model loads: status ``loading``, jobs ``not_ready``."""
+    release = threading.Event()
+    real_load = Daemon._load_engine
+
+    def slow_load(self: Daemon) -> Engine:
+        release.wait(10)  # a large model takes a while; this one waits for the test
+        return real_load(self)
+
+    monkeypatch.setattr(Daemon, "_load_engine", slow_load)
+    daemon = Daemon(make_config(tiny_model, sock_dir))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(daemon.serve)
+        with anyio.fail_after(10):
+            while not Path(daemon.endpoint[len("ipc://") :]).exists():
+                await anyio.sleep(0.02)
+        async with Client(daemon.endpoint, timeout=5.0) as client:
+            status = await client.status()
+            assert status.state == "loading" and status.sessions == []
+            with pytest.raises(NotReady, match="loading"):
+                await client.submit([Item(prompt="early")])
+            release.set()
+            with anyio.fail_after(10):
+                while (await client.status()).state != "ready":
+                    await anyio.sleep(0.02)
+            (result,) = await (
+                await client.submit([Item(prompt="now", max_new_tokens=4)])
+            ).results()
+            assert result.status == "ok"
+        daemon.stop()

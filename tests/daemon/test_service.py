@@ -61,15 +61,19 @@ def kvmuxd_process(config: Path, **env: str) -> Iterator[subprocess.Popen[str]]:
 
 
 async def wait_connected(endpoint: str, proc: subprocess.Popen[str]) -> Client:
+    """A client of a kvmuxd process that has loaded its model (the socket answers earlier)."""
     with anyio.fail_after(60):
         while True:
             client = Client(endpoint, timeout=1.0)
             try:
                 await client.connect()
-                return client
+                break
             except DaemonUnreachable:
                 assert proc.poll() is None, "kvmuxd exited during startup"
                 await anyio.sleep(0.1)
+        while (await client.status()).state == "loading":
+            await anyio.sleep(0.05)
+    return client
 
 
 # -- the notify protocol ------------------------------------------------------------------

@@ -40,6 +40,12 @@ class ShuttingDown(KvmuxError):
     code = "shutdown"
 
 
+class NotReady(KvmuxError):
+    """The daemon is still loading its model; retry shortly."""
+
+    code = "not_ready"
+
+
 class NotFound(KvmuxError):
     """No such job (never existed, or its retention ran out)."""
 
@@ -94,6 +100,7 @@ _BY_CODE: dict[str, type[KvmuxError]] = {
         BadRequest,
         Overloaded,
         ShuttingDown,
+        NotReady,
         NotFound,
         Cancelled,
         CapacityExceeded,

@@ -1,12 +1,12 @@
 """kvmuxd composed: config → engine (on its worker thread) → scheduler → server.
 
-``Daemon.serve`` loads the model, binds the socket, starts the metrics
-endpoint if configured, reports ready through ``task_status`` (tests) and
-systemd's notify socket (``READY=1``), then runs until :meth:`Daemon.stop`,
-sending ``WATCHDOG=1`` and ``STATUS=`` from the event loop itself so a stuck
-loop is caught. Stopping drains: ``STOPPING=1``, no new jobs, active items get
-``shutdown.grace`` seconds, the rest end with a ``shutdown`` error that
-reaches their clients.
+``Daemon.serve`` binds the socket (answering ``loading`` meanwhile), loads
+the model, starts the metrics endpoint if configured, reports ready through
+``task_status`` (tests) and systemd's notify socket (``READY=1``), then runs
+until :meth:`Daemon.stop`, sending ``WATCHDOG=1`` and ``STATUS=`` from the
+event loop itself so a stuck loop is caught. Stopping drains: ``STOPPING=1``,
+no new jobs, active items get ``shutdown.grace`` seconds, the rest end with a
+``shutdown`` error that reaches their clients.
 """
 
 from __future__ import annotations
@@ -94,27 +94,31 @@ class Daemon:
         self, *, task_status: anyio.abc.TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         try:
-            self.engine = await self.worker.run(self._load_engine)
             server = Server(self.endpoint, self.config.server, hello=self.hello, status=self.status)
             self.server = server
-            scheduler = Scheduler(
-                self.engine,
-                self.worker,
-                self.coordinator,
-                self.config.scheduler,
-                self.config.jobs,
-                server.deliver,
-            )
-            self.scheduler = server.scheduler = scheduler
-            scheduler.metrics = self.metrics
+            # Bound before the model loads: a second daemon on this socket fails
+            # at once, and clients see "loading" rather than "unreachable" while
+            # a large model loads (jobs are answered not_ready until then).
             server.bind()
             self.metrics.attach(self)
-            if self.config.metrics.listen:
-                host, port = self.metrics.serve(self.config.metrics.listen)
-                log.info("metrics_listening", url=f"http://{host}:{port}/metrics")
             async with anyio.create_task_group() as tg:
-                await tg.start(scheduler.run)
                 await tg.start(server.serve)
+                log.info("daemon_loading", endpoint=self.endpoint, model=self.model_name)
+                self.engine = await self.worker.run(self._load_engine)
+                scheduler = Scheduler(
+                    self.engine,
+                    self.worker,
+                    self.coordinator,
+                    self.config.scheduler,
+                    self.config.jobs,
+                    server.deliver,
+                )
+                scheduler.metrics = self.metrics
+                await tg.start(scheduler.run)
+                self.scheduler = server.scheduler = scheduler
+                if self.config.metrics.listen:
+                    host, port = self.metrics.serve(self.config.metrics.listen)
+                    log.info("metrics_listening", url=f"http://{host}:{port}/metrics")
                 self.state = "ready"
                 log.info(
                     "daemon_ready",
@@ -146,6 +150,33 @@ class Daemon:
             if watchdog:
                 self.notifier.watchdog()
             self.notifier.status(self.status_line())
+
+    def _loading_status(self) -> p.DaemonStatus:
+        cfg = self.config
+        return p.DaemonStatus(
+            state="loading",
+            version=DAEMON_VERSION,
+            pid=os.getpid(),
+            uptime_seconds=time.monotonic() - self.started,
+            model=self.model_name,
+            provider=cfg.model.provider,
+            clients=self.server.clients if self.server else 0,
+            jobs_active=0,
+            jobs_retained=0,
+            sessions_active=0,
+            sessions_queued=0,
+            sessions_parked=0,
+            kv_bytes_in_use=0,
+            kv_peak_bytes=0,
+            kv_budget_bytes=cfg.kv.memory_budget or None,
+            kv_bytes_per_token=0,
+            min_bucket=resolve_min_bucket(cfg.kv.min_bucket),
+            device_free_bytes=None,
+            device_total_bytes=None,
+            memory_source="unavailable",
+            growth=self.coordinator.stats(),
+            sessions=[],
+        )
 
     def status_line(self) -> str:
         """One line for ``systemctl status``: state, sessions, KV in use."""
@@ -199,7 +230,8 @@ class Daemon:
 
     def status(self) -> p.DaemonStatus:
         engine, scheduler = self.engine, self.scheduler
-        assert engine is not None and scheduler is not None
+        if engine is None or scheduler is None:
+            return self._loading_status()
         mem = engine.memory()
         return p.DaemonStatus(
             state=self.state,

@@ -27,7 +27,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvmux.client import protocol as p
 from kvmux.client.endpoint import ipc_path
-from kvmux.client.errors import BadRequest, VersionMismatch
+from kvmux.client.errors import BadRequest, NotReady, VersionMismatch
 
 from .config import ConfigError, ServerConfig
 from .errors import error_info
@@ -213,7 +213,11 @@ class Server:
 
     async def _dispatch(self, ident: bytes, req: p.Request) -> None:
         sched = self.scheduler
-        assert sched is not None
+        if sched is None and isinstance(req, p.Submit | p.Cancel | p.Attach | p.Detach):
+            raise NotReady(
+                "kvmuxd is still loading its model; retry shortly (`kvmux status --wait` "
+                "waits until it is ready)"
+            )
         match req:
             case p.Hello(version=version):
                 if version != p.PROTOCOL_VERSION:
@@ -228,9 +232,11 @@ class Server:
                 assert self._tg is not None
                 self._tg.start_soon(self._submit, ident, req)
             case p.Cancel(job_id=job_id):
+                assert sched is not None
                 sched.cancel(job_id)
                 self.send(ident, p.Ack(id=req.id))
             case p.Attach(job_id=job_id):
+                assert sched is not None
                 job = sched.attach(ident, job_id)
                 self.send(
                     ident,
@@ -243,6 +249,7 @@ class Server:
                     ),
                 )
             case p.Detach(job_id=job_id):
+                assert sched is not None
                 sched.detach(job_id)
                 self.send(ident, p.Ack(id=req.id))
             case p.Status():
@@ -260,10 +267,9 @@ class Server:
                 self._forget(ident, "its client closed the connection", "client_closed")
 
     async def _submit(self, ident: bytes, req: p.Submit) -> None:
-        sched = self.scheduler
-        assert sched is not None
         try:
-            job = await sched.submit(ident, req)
+            assert self.scheduler is not None  # _dispatch answered not_ready without one
+            job = await self.scheduler.submit(ident, req)
         except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
             self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op="Submit")))
             return
@@ -300,7 +306,8 @@ class Server:
         self._clients.pop(ident, None)
         self._rejects.pop(ident, None)
         self._unsubscribe_logs(ident)
-        assert self.scheduler is not None
+        if self.scheduler is None:  # still loading: no jobs yet
+            return
         cancelled = self.scheduler.client_gone(ident, why, reason)
         log.info(reason, client=ident.hex(), why=why, cancelled_jobs=cancelled)
 

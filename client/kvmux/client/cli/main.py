@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative,
         default=0.0,
         metavar="S",
-        help="retry connecting for up to S seconds until the daemon answers",
+        help="wait up to S seconds until the daemon answers and has loaded its model",
     )
 
     command(

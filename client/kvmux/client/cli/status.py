@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import time
 
 import msgspec
 from rich.console import Console
@@ -11,15 +13,24 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import protocol as p
-from .connect import OK, open_client
+from .connect import OK, CliError, open_client
 
 
 async def status(args: argparse.Namespace) -> int:
+    deadline = time.monotonic() + args.wait
     client = await open_client(args.endpoint, args.timeout, wait=args.wait)
     try:
         st = await client.status()
+        # --wait means "until it takes jobs": a daemon still loading its model answers.
+        while st.state == "loading" and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            st = await client.status()
     finally:
         await client.close()
+    if args.wait and st.state == "loading":
+        raise CliError(
+            f"kvmuxd at {client.endpoint} is still loading its model after {args.wait:g} s"
+        )
     if args.json:
         sys.stdout.write(msgspec.json.encode(st).decode() + "\n")
     else:
