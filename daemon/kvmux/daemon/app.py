@@ -103,6 +103,8 @@ class Daemon:
             self.metrics.attach(self)
             async with anyio.create_task_group() as tg:
                 await tg.start(server.serve)
+                # The loop is alive while the model loads: keep systemd's watchdog fed.
+                tg.start_soon(self._keepalive)
                 log.info("daemon_loading", endpoint=self.endpoint, model=self.model_name)
                 self.engine = await self.worker.run(self._load_engine)
                 scheduler = Scheduler(
@@ -130,7 +132,6 @@ class Daemon:
                     kv_budget_bytes=self.engine.budget.total,
                 )
                 self.notifier.ready(self.status_line())
-                tg.start_soon(self._keepalive)
                 task_status.started(self)
                 await self._stop.wait()
                 await self._drain()
