@@ -112,7 +112,9 @@ async def test_daemon_plays_the_notify_protocol(
         with kvmuxd_process(
             cfg, NOTIFY_SOCKET=str(sock_dir / "notify"), WATCHDOG_USEC="400000"
         ) as proc:
-            first = notify.recv(4096).decode()
+            # Before READY=1 only the watchdog and "loading" status lines may come.
+            while not (first := notify.recv(4096).decode()).startswith("READY=1"):
+                assert first in ("WATCHDOG=1", "STATUS=loading"), first
             messages.append(first)
             assert first.startswith("READY=1\nSTATUS=ready")
             # READY=1 means it answers now, not "soon".
