@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 from kvmux.client import Item
@@ -200,4 +201,55 @@ async def test_wait_policy_gives_up_when_nobody_can_free(
         status = await client.status()
     assert result.error is not None and result.error.code == "kv_growth_failed"
     assert result.error.details["new_capacity"] == 128
+    assert status.kv_bytes_in_use == 0 and status.sessions_parked == 0
+
+
+async def test_cancel_while_growing_or_parked_releases_everything(
+    tiny_model: Path, sock_dir: Path, reference: Engine
+) -> None:
+    """A cancel that lands mid-growth waits for the growth to end, then releases; a parked
+    session is released at once; the session that kept running is untouched."""
+    bpt = reference.kv_spec.bytes_per_token
+    cfg = make_config(
+        tiny_model,
+        sock_dir,
+        kv={"min_bucket": 16, "memory_budget": 800 * bpt},
+        scheduler={"on_growth_failure": "wait", "growth_retries": 4},
+    )
+    a = Item(
+        custom_id="A",
+        prompt_tokens=token_prompt(250, seed=1),
+        max_new_tokens=40,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    b = Item(
+        custom_id="B",
+        prompt_tokens=token_prompt(200, seed=2),
+        max_new_tokens=400,
+        temperature=0.0,
+        ignore_eos=True,
+        max_context=256,
+    )
+    async with running(cfg) as daemon, connected(daemon) as client:
+        # Mid-growth: every copy takes 0.3 s, so the cancel lands inside the first one.
+        failpoints.slow("kv.copy_prefix", 0.3)
+        growing = await client.submit([Item(prompt="x", max_new_tokens=50)])
+        await client.cancel(growing.job_id)
+        (cancelled,) = await growing.results()
+        failpoints.disarm()
+        assert (await client.status()).kv_bytes_in_use == 0
+        # Parked: A waits for B's memory (as in the wait-policy test); cancel A.
+        job_b = await client.submit([b])
+        job_a = await client.submit([a])
+        with anyio.fail_after(20):
+            while (await client.status()).sessions_parked == 0:
+                await anyio.sleep(0.01)
+        await client.cancel(job_a.job_id)
+        (result_a,) = await job_a.results()
+        (result_b,) = await job_b.results()
+        status = await client.status()
+    assert cancelled.error is not None and cancelled.error.code == "cancelled"
+    assert result_a.error is not None and result_a.error.code == "cancelled"
+    assert result_b.token_ids == decode_alone(reference, b)
     assert status.kv_bytes_in_use == 0 and status.sessions_parked == 0
