@@ -171,6 +171,8 @@ async def test_wait_policy_parks_until_memory_is_freed(
         temperature=0.0,
         ignore_eos=True,
     )
+    # Slowed steps: B is still decoding when A asks to grow, however loaded the machine.
+    failpoints.slow("engine.step", 0.002)
     async with running(cfg) as daemon, connected(daemon) as client:
         results = await (await client.submit([a, b])).results()
         status = await client.status()
@@ -240,12 +242,15 @@ async def test_cancel_while_growing_or_parked_releases_everything(
         failpoints.disarm()
         assert (await client.status()).kv_bytes_in_use == 0
         # Parked: A waits for B's memory (as in the wait-policy test); cancel A.
+        # Slowed steps keep B (and so A's parking) alive long enough to watch.
+        failpoints.slow("engine.step", 0.005)
         job_b = await client.submit([b])
         job_a = await client.submit([a])
         with anyio.fail_after(20):
             while (await client.status()).sessions_parked == 0:
                 await anyio.sleep(0.01)
         await client.cancel(job_a.job_id)
+        failpoints.disarm()
         (result_a,) = await job_a.results()
         (result_b,) = await job_b.results()
         status = await client.status()

@@ -22,6 +22,7 @@ from kvmux.client import protocol as p
 from kvmux.daemon.app import Daemon
 from kvmux.daemon.config import Config
 from kvmux.daemon.engine import Engine
+from kvmux.kv import failpoints
 
 from .conftest import connected, make_config, running
 from .helpers import decode_alone, ok_tokens
@@ -145,6 +146,8 @@ def _two_at_a_time(tiny_model: Path, sock_dir: Path) -> Config:
 
 
 async def test_killed_clients_sessions_are_released(tiny_model: Path, sock_dir: Path) -> None:
+    # Slowed steps: the job must outlive the client by more than client_timeout.
+    failpoints.slow("engine.step", 0.001)
     async with running(_two_at_a_time(tiny_model, sock_dir)) as daemon:
         job_id = await _kill_client_midway(daemon, detach=False)
         async with connected(daemon) as client:

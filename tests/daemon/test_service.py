@@ -157,7 +157,7 @@ async def test_sigterm_drains_then_ends_the_rest_with_shutdown(
             ignore_eos=True,
             max_context=2040,
         )
-        for i in range(12)
+        for i in range(30)  # far more than the 1 s grace can finish
     ]
     with kvmuxd_process(cfg) as proc:
         client = await wait_connected(endpoint, proc)

@@ -7,9 +7,10 @@ at most one message per scheduler step per client, each holding every
 event of that step for that client (token deltas coalesced, never one
 message per token).
 
-Everything the daemon accepts forbids unknown fields and bounds its sizes, so
-a malformed request is refused whole with a typed error before it reaches a
-session. This module imports neither onnxruntime nor anything of the daemon.
+Everything the daemon accepts forbids unknown fields and bounds its sizes (on
+top of the daemon's own ``max_message_bytes`` and ``max_job_items``), so a
+malformed or absurd request is refused whole with a typed error before it
+reaches a session. This module imports neither onnxruntime nor anything of the daemon.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
 
     custom_id: Annotated[str, Meta(max_length=512)] = ""
     prompt: Annotated[str, Meta(max_length=8 * 1024 * 1024)] | None = None
-    prompt_tokens: Annotated[list[TokenId], Meta(max_length=1 << 22)] | None = None
+    prompt_tokens: Annotated[list[TokenId], Meta(max_length=1 << 20)] | None = None
     max_new_tokens: PositiveInt | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     top_k: Annotated[int, Meta(ge=0, lt=2**31)] | None = None
@@ -65,7 +66,7 @@ class Hello(_Request, tag="hello", frozen=True):
 class Submit(_Request, tag="submit", frozen=True):
     """A job: a batch of items. ``detach`` keeps it running if this client goes away."""
 
-    items: Annotated[list[Item], Meta(min_length=1, max_length=1 << 20)]
+    items: Annotated[list[Item], Meta(min_length=1, max_length=1 << 16)]
     detach: bool = False
     name: Annotated[str, Meta(max_length=256)] = ""
 

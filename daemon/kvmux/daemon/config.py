@@ -100,7 +100,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
     max_active_sessions: PositiveInt = 16
     max_queued_items: PositiveInt = 4096
-    max_job_items: PositiveInt = 4096
+    # The wire protocol carries at most 65536 items per submit.
+    max_job_items: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 4096
     prefill_chunk: PositiveInt = 256
     on_growth_failure: Literal["wait", "fail"] = "wait"
     growth_retries: NonNegInt = 8
