@@ -10,14 +10,11 @@ from contextlib import AbstractAsyncContextManager
 
 import anyio
 import anyio.to_thread
-import structlog
 
 from kvmux.client.protocol import GrowthStats
 from kvmux.kv import GrowthFailed, GrowthResult
 
 from .engine import DecodeSession
-
-log = structlog.get_logger("kvmux.growth")
 
 
 class GrowthCoordinator:
@@ -52,8 +49,6 @@ class GrowthCoordinator:
         self.lock_wait_max = 0.0
         self.failures: Counter[str] = Counter()
         self.parked_retries = 0
-        self.waits: list[float] = []  # recent lock waits, for benchmarks and metrics
-        self._waits_kept = 4096
 
     def _guard(self) -> AbstractAsyncContextManager[object]:
         return self._lock if self.serialize else contextlib.nullcontext()
@@ -82,11 +77,8 @@ class GrowthCoordinator:
     def _record_wait(self, waited: float) -> None:
         self.lock_wait_total += waited
         self.lock_wait_max = max(self.lock_wait_max, waited)
-        self.waits.append(waited)
         if self._on_wait is not None:
             self._on_wait(waited)
-        if len(self.waits) > self._waits_kept:
-            del self.waits[: len(self.waits) - self._waits_kept]
 
     def stats(self) -> GrowthStats:
         return GrowthStats(
