@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
 import anyio
@@ -53,25 +53,37 @@ class GrowthCoordinator:
     def _guard(self) -> AbstractAsyncContextManager[object]:
         return self._lock if self.serialize else contextlib.nullcontext()
 
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[float]:
+        """Hold the growth lock (when serializing); yields how long getting it took (s)."""
+        asked = time.perf_counter()
+        async with self._guard():
+            waited = time.perf_counter() - asked
+            self._record_wait(waited)
+            yield waited
+
+    def record(self, result: GrowthResult) -> None:
+        if result.grew:
+            self.growths += 1
+            self.bytes_copied += result.bytes_copied
+
+    def record_failure(self, exc: GrowthFailed) -> None:
+        self.failures[str(exc.details.get("cause", "error"))] += 1
+
     async def grow(self, session: DecodeSession) -> tuple[GrowthResult, float]:
         """Grow ``session`` to fit its next step; returns the result and the lock wait (s).
 
         Raises :class:`~kvmux.kv.GrowthFailed` (session unchanged), counted by cause.
         """
-        asked = time.perf_counter()
-        async with self._guard():
-            waited = time.perf_counter() - asked
-            self._record_wait(waited)
+        async with self.held() as waited:
             try:
                 result = await anyio.to_thread.run_sync(
                     session.ensure_capacity, limiter=self._limiter
                 )
             except GrowthFailed as exc:
-                self.failures[str(exc.details.get("cause", "error"))] += 1
+                self.record_failure(exc)
                 raise
-        if result.grew:
-            self.growths += 1
-            self.bytes_copied += result.bytes_copied
+        self.record(result)
         return result, waited
 
     def _record_wait(self, waited: float) -> None:

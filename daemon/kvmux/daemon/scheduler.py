@@ -42,7 +42,7 @@ from kvmux.client.protocol import (
     TokenDelta,
     Usage,
 )
-from kvmux.kv import GrowthFailed
+from kvmux.kv import GrowthFailed, GrowthResult
 
 from .config import JobsConfig, SchedulerConfig
 from .coordinator import GrowthCoordinator
@@ -396,11 +396,17 @@ class Scheduler:
         if not batch:
             return
         self._active.extend(batch)
-        opened = await self.worker.run(self._open_all, batch)
-        for state, session in zip(batch, opened, strict=True):
-            if isinstance(session, Exception):
+        # First allocations are growths from nothing: made under the growth lock,
+        # all in the call that opens the sessions, so a burst of new sessions
+        # starts prefilling in this very turn instead of queueing for the lock.
+        async with self.coordinator.held() as waited:
+            opened = await self.worker.run(self._open_all, batch)
+        refused: list[tuple[ItemState, GrowthFailed]] = []
+        for state, (session, grown) in zip(batch, opened, strict=True):
+            if session is None:
+                assert isinstance(grown, Exception)
                 state.phase = "failing"
-                state.failure = session
+                state.failure = grown
                 continue
             state.session = session
             state.phase = "active"
@@ -423,15 +429,38 @@ class Scheduler:
                     prompt_tokens=len(session.prompt_ids),
                 ),
             )
+            if isinstance(grown, GrowthFailed):
+                self.coordinator.record_failure(grown)
+                refused.append((state, grown))
+            elif isinstance(grown, Exception):
+                state.phase = "failing"
+                state.failure = grown
+            elif grown is not None:
+                self.coordinator.record(grown)
+                self._log_growth(state, grown, waited)
+        # After the whole batch is active, so the policy sees who could free memory.
+        for state, exc in refused:
+            with structlog.contextvars.bound_contextvars(
+                job_id=state.job.job_id, session_id=state.session_id
+            ):
+                self._growth_failed(state, exc)
 
-    def _open_all(self, batch: list[ItemState]) -> list[DecodeSession | Exception]:
-        out: list[DecodeSession | Exception] = []
+    def _open_all(
+        self, batch: list[ItemState]
+    ) -> list[tuple[DecodeSession | None, GrowthResult | Exception | None]]:
+        """Open each session and allocate its first bucket; failures are per item."""
+        out: list[tuple[DecodeSession | None, GrowthResult | Exception | None]] = []
         for state in batch:
             try:
                 assert state.admission is not None
-                out.append(self.engine.open_session(state.admission, state.session_id))
+                session = self.engine.open_session(state.admission, state.session_id)
             except Exception as exc:  # noqa: BLE001 - that item fails alone
-                out.append(exc)
+                out.append((None, exc))
+                continue
+            try:
+                out.append((session, session.ensure_capacity()))
+            except Exception as exc:  # noqa: BLE001 - GrowthFailed left it empty and usable
+                out.append((session, exc))
         return out
 
     async def _grow(self, state: ItemState) -> None:
@@ -449,18 +478,25 @@ class Scheduler:
                 state.phase = "failing"
             else:
                 state.phase = "active"
-                if result.grew:
-                    log.info(
-                        "kv_grew",
-                        old=result.old_capacity,
-                        new=result.new_capacity,
-                        valid_len=result.valid_len,
-                        bytes_copied=result.bytes_copied,
-                        seconds=round(result.seconds, 6),
-                        lock_wait_seconds=round(waited, 6),
-                    )
+                self._log_growth(state, result, waited)
             finally:
                 self.poke()
+
+    def _log_growth(self, state: ItemState, result: GrowthResult, waited: float) -> None:
+        if not result.grew:
+            return
+        with structlog.contextvars.bound_contextvars(
+            job_id=state.job.job_id, session_id=state.session_id
+        ):
+            log.info(
+                "kv_grew",
+                old=result.old_capacity,
+                new=result.new_capacity,
+                valid_len=result.valid_len,
+                bytes_copied=result.bytes_copied,
+                seconds=round(result.seconds, 6),
+                lock_wait_seconds=round(waited, 6),
+            )
 
     def _growth_failed(self, state: ItemState, exc: GrowthFailed) -> None:
         log.warning("kv_growth_failed", retries=state.retries, **exc.details)
