@@ -219,3 +219,31 @@ async def test_a_closing_client_says_bye_and_its_jobs_end_at_once(
     )
     assert any(r.status == "error" for r in results)
     assert [r.status for r in detached] == ["ok"]
+
+
+async def test_two_clients_on_one_job_both_get_it_and_either_may_leave(
+    tiny_model: Path, sock_dir: Path
+) -> None:
+    """Attaching adds a watcher: the submitter keeps its events; the job outlives the
+    submitter's goodbye because another client is still attached."""
+    cfg = make_config(tiny_model, sock_dir, server={"client_timeout": 60.0})
+    items = [
+        Item(custom_id=str(i), prompt="both", max_new_tokens=600, ignore_eos=True) for i in range(3)
+    ]
+    failpoints.slow("engine.step", 0.001)  # the job must outlast the first goodbye
+    async with running(cfg) as daemon, connected(daemon) as watcher:
+        async with connected(daemon) as submitter:
+            job = await submitter.submit(items)
+            watched = await watcher.attach(job.job_id)
+            seen = 0
+            async for ev in job.events():  # the submitter keeps receiving after the attach
+                if isinstance(ev, p.TokenDelta):
+                    seen += len(ev.token_ids)
+                    if seen >= 60:
+                        break
+        # The submitter said bye: with the watcher attached, nothing is cancelled.
+        results = await watched.results()
+        status = await watcher.status()
+    assert [r.status for r in results] == ["ok"] * 3
+    assert all(len(r.token_ids) == 600 for r in results)
+    assert status.kv_bytes_in_use == 0

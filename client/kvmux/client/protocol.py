@@ -78,7 +78,10 @@ class Cancel(_Request, tag="cancel", frozen=True):
 
 
 class Attach(_Request, tag="attach", frozen=True):
-    """(Re-)attach to a job: its finished results now, its live events from here on."""
+    """(Re-)attach to a job: its finished results now, its live events from here on.
+
+    Clients already attached keep receiving them; a job not detached is
+    cancelled when the last client attached to it goes away."""
 
     job_id: JobId
 

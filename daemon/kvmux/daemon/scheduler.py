@@ -90,7 +90,9 @@ class JobState:
     """A submitted batch: its items, who owns it, and its tally."""
 
     job_id: str
-    owner: bytes
+    # The clients its events go to: the submitter, then whoever attached. A job
+    # not detached is cancelled when the last of them is gone.
+    clients: list[bytes]
     detached: bool
     name: str
     items: list[ItemState] = field(default_factory=list)
@@ -169,7 +171,9 @@ class Scheduler:
             self._reserved -= n
         if self.draining:  # the stop began while the items were being checked
             raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
-        job = JobState(job_id=secrets.token_hex(6), owner=owner, detached=msg.detach, name=msg.name)
+        job = JobState(
+            job_id=secrets.token_hex(6), clients=[owner], detached=msg.detach, name=msg.name
+        )
         self._jobs[job.job_id] = job
         queue: deque[ItemState] = deque()
         for index, (item, check) in enumerate(zip(msg.items, checks, strict=True)):
@@ -246,9 +250,11 @@ class Scheduler:
             )
         return job
 
-    def attach(self, owner: bytes, job_id: str) -> JobState:
+    def attach(self, client: bytes, job_id: str) -> JobState:
+        """Add ``client`` to the job's audience (the others keep theirs)."""
         job = self.find(job_id)
-        job.owner = owner
+        if client not in job.clients:
+            job.clients.append(client)
         return job
 
     def detach(self, job_id: str) -> None:
@@ -259,9 +265,15 @@ class Scheduler:
         self._cancel_job(job, reason or Cancelled("cancelled by request", {"job_id": job_id}))
         return job
 
-    def client_gone(self, owner: bytes, why: str, reason: str) -> list[str]:
-        """Cancel the jobs (not detached) of a client that left or stopped heartbeating."""
-        gone = [j for j in self._jobs.values() if j.owner == owner and not j.detached]
+    def client_gone(self, client: bytes, why: str, reason: str) -> list[str]:
+        """Forget a client that left or stopped heartbeating; cancel the jobs (not
+        detached) that nobody else is attached to."""
+        gone = []
+        for job in self._jobs.values():
+            if client in job.clients:
+                job.clients.remove(client)
+                if not job.clients and not job.detached:
+                    gone.append(job)
         for job in gone:
             self._cancel_job(
                 job,
@@ -644,15 +656,16 @@ class Scheduler:
 
     # -- events ----------------------------------------------------------------------
     def _emit(self, job: JobState, event: Event) -> None:
-        self._outbox.setdefault(job.owner, []).append(event)
+        for client in job.clients:
+            self._outbox.setdefault(client, []).append(event)
 
     def _flush(self) -> None:
         """One message per client for everything this turn produced."""
         if not self._outbox:
             return
         outbox, self._outbox = self._outbox, {}
-        for owner, events in outbox.items():
-            self._deliver(owner, events)
+        for client, events in outbox.items():
+            self._deliver(client, events)
 
     # -- shutdown ------------------------------------------------------------------
     def cancel_all(self, reason: Exception) -> None:

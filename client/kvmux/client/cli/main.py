@@ -133,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "results",
         jobs.results,
         "Re-attach to a job and write all of its results (waiting for the rest).",
-        "Results that finished already come at once, the rest as they finish. Attaching\n"
-        "moves the job's live events to this client. Each line's \"line\" is null here:\n"
+        "Results that finished already come at once, the rest as they finish; a client\n"
+        'still watching the job keeps its events too. Each line\'s "line" is null here:\n'
         'the daemon knows items by "index" and "custom_id", not by input line.\n'
         "Exit status: 0 all ok, 2 some items failed, 1 no such job or no daemon.",
         "  kvmux results 3f9c2a1b7d4e --out results.jsonl",
