@@ -10,11 +10,14 @@ growths overlap every time, as they would with a large model's copy.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from kvmux.client import Item
+from kvmux.daemon.config import Config
 from kvmux.daemon.engine import Engine
 from kvmux.kv import failpoints
 
@@ -41,6 +44,35 @@ GROWTH_DETAILS = {
     "session_unchanged",
     "levers",
 }
+
+
+def a_waits_for_b(
+    model: Path, sock_dir: Path, reference: Engine, **b_overrides: Any
+) -> tuple[Config, Item, Item]:
+    """An 800-token budget under the wait policy; A (250-token prompt) must grow
+    256 -> 512 (peak 768) while B (200-token prompt) holds 256: A parks until B ends."""
+    bpt = reference.kv_spec.bytes_per_token
+    cfg = make_config(
+        model,
+        sock_dir,
+        kv={"min_bucket": 16, "memory_budget": 800 * bpt},
+        scheduler={"on_growth_failure": "wait", "growth_retries": 4},
+    )
+    a = Item(
+        custom_id="A",
+        prompt_tokens=token_prompt(250, seed=1),
+        max_new_tokens=40,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    b = Item(
+        custom_id="B",
+        prompt_tokens=token_prompt(200, seed=2),
+        max_new_tokens=50,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    return cfg, a, msgspec.structs.replace(b, **b_overrides)
 
 
 @pytest.mark.parametrize("serialize", [True, False], ids=["with-lock", "lock-disabled"])
@@ -150,27 +182,7 @@ async def test_wait_policy_parks_until_memory_is_freed(
 ) -> None:
     """A (250-token prompt) must grow 256 -> 512 (peak 768) while B holds 256 of an
     800-token budget: refused, parked; B finishes, A retries and completes."""
-    bpt = reference.kv_spec.bytes_per_token
-    cfg = make_config(
-        tiny_model,
-        sock_dir,
-        kv={"min_bucket": 16, "memory_budget": 800 * bpt},
-        scheduler={"on_growth_failure": "wait", "growth_retries": 4},
-    )
-    a = Item(
-        custom_id="A",
-        prompt_tokens=token_prompt(250, seed=1),
-        max_new_tokens=40,
-        temperature=0.0,
-        ignore_eos=True,
-    )
-    b = Item(
-        custom_id="B",
-        prompt_tokens=token_prompt(200, seed=2),
-        max_new_tokens=50,
-        temperature=0.0,
-        ignore_eos=True,
-    )
+    cfg, a, b = a_waits_for_b(tiny_model, sock_dir, reference)
     # Slowed steps: B is still decoding when A asks to grow, however loaded the machine.
     failpoints.slow("engine.step", 0.002)
     async with running(cfg) as daemon, connected(daemon) as client:
@@ -211,28 +223,8 @@ async def test_cancel_while_growing_or_parked_releases_everything(
 ) -> None:
     """A cancel that lands mid-growth waits for the growth to end, then releases; a parked
     session is released at once; the session that kept running is untouched."""
-    bpt = reference.kv_spec.bytes_per_token
-    cfg = make_config(
-        tiny_model,
-        sock_dir,
-        kv={"min_bucket": 16, "memory_budget": 800 * bpt},
-        scheduler={"on_growth_failure": "wait", "growth_retries": 4},
-    )
-    a = Item(
-        custom_id="A",
-        prompt_tokens=token_prompt(250, seed=1),
-        max_new_tokens=40,
-        temperature=0.0,
-        ignore_eos=True,
-    )
-    b = Item(
-        custom_id="B",
-        prompt_tokens=token_prompt(200, seed=2),
-        max_new_tokens=400,
-        temperature=0.0,
-        ignore_eos=True,
-        max_context=256,
-    )
+    # B is capped at 256 tokens, so it holds its bucket for a while and then ends.
+    cfg, a, b = a_waits_for_b(tiny_model, sock_dir, reference, max_new_tokens=400, max_context=256)
     async with running(cfg) as daemon, connected(daemon) as client:
         # Mid-growth: every copy takes 0.3 s, so the cancel lands inside the first one.
         failpoints.slow("kv.copy_prefix", 0.3)

@@ -152,33 +152,6 @@ class Daemon:
                 self.notifier.watchdog()
             self.notifier.status(self.status_line())
 
-    def _loading_status(self) -> p.DaemonStatus:
-        cfg = self.config
-        return p.DaemonStatus(
-            state="loading",
-            version=DAEMON_VERSION,
-            pid=os.getpid(),
-            uptime_seconds=time.monotonic() - self.started,
-            model=self.model_name,
-            provider=cfg.model.provider,
-            clients=self.server.clients if self.server else 0,
-            jobs_active=0,
-            jobs_retained=0,
-            sessions_active=0,
-            sessions_queued=0,
-            sessions_parked=0,
-            kv_bytes_in_use=0,
-            kv_peak_bytes=0,
-            kv_budget_bytes=cfg.kv.memory_budget or None,
-            kv_bytes_per_token=0,
-            min_bucket=resolve_min_bucket(cfg.kv.min_bucket),
-            device_free_bytes=None,
-            device_total_bytes=None,
-            memory_source="unavailable",
-            growth=self.coordinator.stats(),
-            sessions=[],
-        )
-
     def status_line(self) -> str:
         """One line for ``systemctl status``: state, sessions, KV in use."""
         if self.scheduler is None or self.engine is None:
@@ -230,27 +203,41 @@ class Daemon:
         )
 
     def status(self) -> p.DaemonStatus:
-        engine, scheduler = self.engine, self.scheduler
-        if engine is None or scheduler is None:
-            return self._loading_status()
-        mem = engine.memory()
+        engine, scheduler, cfg = self.engine, self.scheduler, self.config
+        # While the model loads there is no engine or scheduler yet: zeros, and
+        # what the config already says.
+        mem = engine.memory() if engine is not None else None
+        counts = (
+            scheduler.counts()
+            if scheduler is not None
+            else dict.fromkeys(
+                (
+                    "jobs_active",
+                    "jobs_retained",
+                    "sessions_active",
+                    "sessions_queued",
+                    "sessions_parked",
+                ),
+                0,
+            )
+        )
         return p.DaemonStatus(
             state=self.state,
             version=DAEMON_VERSION,
             pid=os.getpid(),
             uptime_seconds=time.monotonic() - self.started,
             model=self.model_name,
-            provider="cuda" if engine.on_cuda else "cpu",
+            provider=("cuda" if engine.on_cuda else "cpu") if engine else cfg.model.provider,
             clients=self.server.clients if self.server else 0,
-            **scheduler.counts(),
-            kv_bytes_in_use=engine.budget.used,
-            kv_peak_bytes=engine.budget.peak,
-            kv_budget_bytes=engine.budget.total,
-            kv_bytes_per_token=engine.kv_spec.bytes_per_token,
-            min_bucket=resolve_min_bucket(self.config.kv.min_bucket),
+            **counts,
+            kv_bytes_in_use=engine.budget.used if engine else 0,
+            kv_peak_bytes=engine.budget.peak if engine else 0,
+            kv_budget_bytes=engine.budget.total if engine else (cfg.kv.memory_budget or None),
+            kv_bytes_per_token=engine.kv_spec.bytes_per_token if engine else 0,
+            min_bucket=resolve_min_bucket(cfg.kv.min_bucket),
             device_free_bytes=None if mem is None else mem.free,
             device_total_bytes=None if mem is None else mem.total,
             memory_source="unavailable" if mem is None else mem.source,
             growth=self.coordinator.stats(),
-            sessions=scheduler.sessions(),
+            sessions=scheduler.sessions() if scheduler is not None else [],
         )
