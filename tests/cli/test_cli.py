@@ -166,7 +166,7 @@ def test_interrupted_submit_keeps_its_results_and_logs_follow_a_job(
             text=True,
         ) as logs:
             assert logs.stderr is not None
-            header = logs.stderr.readline()  # printed as it subscribes
+            header = logs.stderr.readline()  # printed once the subscription is acknowledged
             assert f"of job {job_id}" in header
 
             long.send_signal(signal.SIGINT)

@@ -19,6 +19,7 @@ from kvmux.daemon.app import Daemon
 from kvmux.daemon.config import EX_CONFIG
 from kvmux.daemon.engine import Engine
 from kvmux.daemon.logs import configure_logging
+from kvmux.kv import failpoints
 
 from .conftest import connected, make_config, running
 
@@ -124,8 +125,9 @@ async def test_log_events_name_the_job_and_reach_a_subscriber(
             with structlog.testing.capture_logs() as captured:
                 job = await worker.submit([Item(prompt="log me", max_new_tokens=20)])
                 await job.results()
-            # One session at a time: the watched job waits behind a long one,
-            # so the subscription is in place before its first event.
+            # One session at a time: the watched job waits behind a long one
+            # (slowed to ~0.6 s), so the subscription is in place before its first event.
+            failpoints.slow("engine.step", 0.001)
             long = await worker.submit(
                 [Item(prompt="not watched", max_new_tokens=600, ignore_eos=True)]
             )

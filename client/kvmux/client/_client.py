@@ -223,15 +223,28 @@ class Client:
         assert isinstance(reply, p.StatusReply)
         return reply.status
 
+    async def subscribe_logs(
+        self, *, level: p.LogLevel = "info", job_id: str | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Subscribe to the daemon's log events; returns once the daemon has
+        acknowledged, so every event from then on is in the returned stream.
+
+        Close the stream (``contextlib.aclosing``) to unsubscribe at once."""
+        self._logs = asyncio.Queue()
+        await self._request(p.SubscribeLogs(id=0, level=level, job_id=job_id))
+        return self._log_stream()
+
     async def logs(
         self, *, level: p.LogLevel = "info", job_id: str | None = None
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """The daemon's log events as they happen, until the caller stops iterating.
+        """The daemon's log events as they happen, until the caller stops iterating."""
+        stream = await self.subscribe_logs(level=level, job_id=job_id)
+        async with contextlib.aclosing(stream):
+            async for record in stream:
+                yield record
 
-        Close it (``contextlib.aclosing``) to unsubscribe at once rather than
-        when it is garbage-collected."""
-        self._logs = asyncio.Queue()
-        await self._request(p.SubscribeLogs(id=0, level=level, job_id=job_id))
+    async def _log_stream(self) -> AsyncGenerator[dict[str, Any], None]:
+        assert self._logs is not None
         try:
             while True:
                 batch = await self._logs.get()

@@ -37,14 +37,15 @@ async def logs(args: argparse.Namespace) -> int:
     span = "until Ctrl-C" if args.follow else f"for {args.window:g} s"
     if args.job:
         span += " or the job's end"
-    print(
-        f"kvmux: showing {client.endpoint} logs{scope} at level {args.level} and above, {span}",
-        file=sys.stderr,
-        flush=True,
-    )
     try:
-        # Closing the generator (on break) unsubscribes now, not at garbage collection.
-        stream = client.logs(level=args.level, job_id=args.job)
+        # Subscribed (acknowledged) before the header: a script that waits for the
+        # header knows no later event is missed. Closing the stream unsubscribes.
+        stream = await client.subscribe_logs(level=args.level, job_id=args.job)
+        print(
+            f"kvmux: showing {client.endpoint} logs{scope} at level {args.level} and above, {span}",
+            file=sys.stderr,
+            flush=True,
+        )
         async with (
             contextlib.aclosing(stream),
             asyncio.timeout(None if args.follow else args.window),
