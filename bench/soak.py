@@ -258,6 +258,7 @@ class SoakReport:
     growths: int = 0
     growth_failures: dict[str, int] = field(default_factory=dict)
     parked_retries: int = 0
+    preemptions: int = 0
     sessions_active_end: int = -1
     jobs_active_end: int = -1
     rss_start: int = 0
@@ -396,7 +397,9 @@ class _ClientProc:
 
 def _config_tables(cfg: SoakConfig, bytes_per_token: int) -> dict[str, dict[str, object]]:
     return {
-        "server": {"heartbeat_interval": 0.2, "client_timeout": 1.0},
+        # Every garbage frame must get its typed reply here; the budget that
+        # stops answering a flood is bench.hostile's subject.
+        "server": {"heartbeat_interval": 0.2, "client_timeout": 1.0, "bad_frame_burst": 1000000},
         "kv": {"min_bucket": 16, "memory_budget": cfg.budget_tokens * bytes_per_token},
         "scheduler": {
             "max_active_sessions": cfg.max_active,
@@ -531,6 +534,7 @@ class _Soak:
         report.growths = st.growth.growths
         report.growth_failures = dict(st.growth.failures)
         report.parked_retries = st.growth.parked_retries
+        report.preemptions = st.growth.preemptions
         report.sessions_active_end = st.sessions_active + st.sessions_parked
         report.jobs_active_end = st.jobs_active
         report.rss_end = self.daemon.rss()
@@ -632,7 +636,7 @@ def print_report(r: SoakReport) -> None:
         ("malformed frames sent / typed replies", f"{r.frames_sent} / {r.frames_typed_replies}"),
         ("greedy results verified / mismatched", f"{r.verified} / {r.verify_mismatches}"),
         ("growths / refused by cause", f"{r.growths} / {json.dumps(r.growth_failures)}"),
-        ("parked retries", r.parked_retries),
+        ("parked retries / preemptions", f"{r.parked_retries} / {r.preemptions}"),
         ("KV peak / budget", f"{r.kv_peak_bytes / mib:.2f} / {r.kv_budget_bytes / mib:.2f} MiB"),
         ("daemon restarts", r.daemon_restarts),
         ("KV bytes in use at the end", r.kv_bytes_in_use_end),

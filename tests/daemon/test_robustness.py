@@ -73,7 +73,9 @@ async def test_fuzzed_frames_get_typed_errors_and_the_daemon_keeps_serving(
 ) -> None:
     rng = random.Random(20261202)
     cases = malformed_frames(rng, 3000)
-    async with running(make_config(tiny_model, sock_dir)) as daemon:
+    # A budget that answers every frame: what is checked here is each reply.
+    cfg = make_config(tiny_model, sock_dir, server={"bad_frame_burst": 10_000})
+    async with running(cfg) as daemon:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(daemon.endpoint)

@@ -185,7 +185,12 @@ async def test_full_queue_answers_overloaded_and_loses_nothing(
     cfg = make_config(
         tiny_model,
         sock_dir,
-        scheduler={"max_active_sessions": 1, "max_queued_items": 4, "max_job_items": 4},
+        scheduler={
+            "max_active_sessions": 1,
+            "max_queued_items": 4,
+            "max_queued_per_owner": 4,
+            "max_job_items": 4,
+        },
     )
     long = [
         Item(custom_id=str(i), prompt="slow", max_new_tokens=60, ignore_eos=True) for i in range(4)

@@ -18,6 +18,7 @@ from .errors import (
     Overloaded,
     RunFailed,
     ShuttingDown,
+    Unauthorized,
     VersionMismatch,
     error_from_info,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "Overloaded",
     "RunFailed",
     "ShuttingDown",
+    "Unauthorized",
     "VersionMismatch",
     "client_default_endpoint",
     "daemon_default_endpoint",

@@ -27,8 +27,9 @@ class Job:
     """A submitted (or re-attached) job: iterate its events, or wait for its results.
 
     Results are kept by item index as they finish. If the event stream ever
-    misses one (the daemon dropped a message to a slow client), :meth:`results`
-    fetches the rest by re-attaching, so no result is lost.
+    misses one (the daemon dropped a message to a slow client), or the job was
+    attached after some items finished, :meth:`results` fetches the rest from
+    the daemon a page at a time, so no result is lost.
     """
 
     def __init__(self, client: Client, job_id: str, total: int) -> None:
@@ -44,11 +45,19 @@ class Job:
             self.results_by_index[event.result.index] = event.result
         self._queue.put_nowait(event)
 
-    def _seed(self, results: Iterable[p.ItemResult], done: bool) -> None:
-        for r in results:
-            self.results_by_index[r.index] = r
+    def _seed(self, done: bool) -> None:
         if done:
             self.finished = True
+
+    async def fetch_results(self) -> list[p.ItemResult]:
+        """Every result the daemon holds for this job now, fetched page by page."""
+        start: int | None = 0
+        while start is not None:
+            page = await self.client._results_page(self.job_id, start)
+            for r in page.results:
+                self.results_by_index[r.index] = r
+            start = page.next
+        return [self.results_by_index[i] for i in sorted(self.results_by_index)]
 
     async def events(self) -> AsyncIterator[p.Event]:
         """Every event of this job as it happens, ending after :class:`JobFinished`."""
@@ -69,10 +78,7 @@ class Job:
             async for _ in self.events():
                 pass
         if len(self.results_by_index) < self.total:
-            attached = await self.client._attach_reply(self.job_id)
-            self.client._handles.pop(attached.id, None)
-            for r in attached.results:
-                self.results_by_index[r.index] = r
+            return await self.fetch_results()
         return [self.results_by_index[i] for i in sorted(self.results_by_index)]
 
     def close(self) -> None:
@@ -203,13 +209,16 @@ class Client:
         return self._handles.pop(reply.id)
 
     async def attach(self, job_id: str) -> Job:
-        """Re-attach to a job (e.g. submitted with ``detach=True`` by an earlier client)."""
-        reply = await self._attach_reply(job_id)
-        return self._handles.pop(reply.id)
+        """Re-attach to a job (e.g. submitted with ``detach=True`` by an earlier client).
 
-    async def _attach_reply(self, job_id: str) -> p.Attached:
+        Its live events follow; :meth:`Job.results` also fetches what finished before."""
         reply = await self._request(p.Attach(id=0, job_id=job_id))
         assert isinstance(reply, p.Attached)
+        return self._handles.pop(reply.id)
+
+    async def _results_page(self, job_id: str, start: int) -> p.ResultsPage:
+        reply = await self._request(p.Results(id=0, job_id=job_id, start=start))
+        assert isinstance(reply, p.ResultsPage)
         return reply
 
     async def cancel(self, job_id: str) -> None:
@@ -306,9 +315,9 @@ class Client:
                 # Registered before the submitter wakes: the job's events (its
                 # end included) may be in the very next message.
                 self._handles[rid] = self._jobs.setdefault(job_id, Job(self, job_id, total))
-            case p.Attached(id=rid, job_id=job_id, total=total, results=results, done=done):
+            case p.Attached(id=rid, job_id=job_id, total=total, done=done):
                 job = self._jobs.setdefault(job_id, Job(self, job_id, total))
-                job._seed(results, done)
+                job._seed(done)
                 self._handles[rid] = job
                 if done:
                     del self._jobs[job_id]  # finished: no events will follow

@@ -82,6 +82,12 @@ class VersionMismatch(KvmuxError):
     code = "version_mismatch"
 
 
+class Unauthorized(KvmuxError):
+    """The daemon no longer admits this client's key (removed from its authorized keys)."""
+
+    code = "unauthorized"
+
+
 class Internal(KvmuxError):
     """The daemon hit an unexpected error; its log has the traceback."""
 
@@ -107,6 +113,7 @@ _BY_CODE: dict[str, type[KvmuxError]] = {
         GrowthFailed,
         RunFailed,
         VersionMismatch,
+        Unauthorized,
         Internal,
         DaemonUnreachable,
     )

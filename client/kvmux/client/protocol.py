@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 JobId = Annotated[str, Meta(min_length=1, max_length=64)]
@@ -78,12 +78,20 @@ class Cancel(_Request, tag="cancel", frozen=True):
 
 
 class Attach(_Request, tag="attach", frozen=True):
-    """(Re-)attach to a job: its finished results now, its live events from here on.
+    """(Re-)attach to a job: its tally now, its live events from here on.
 
-    Clients already attached keep receiving them; a job not detached is
+    Results that finished before come from :class:`Results`, a page at a time.
+    Clients already attached keep receiving events; a job not detached is
     cancelled when the last client attached to it goes away."""
 
     job_id: JobId
+
+
+class Results(_Request, tag="results", frozen=True):
+    """The job's finished results with item index >= ``start``, one bounded page."""
+
+    job_id: JobId
+    start: Annotated[int, Meta(ge=0, lt=2**31)] = 0
 
 
 class Detach(_Request, tag="detach", frozen=True):
@@ -120,6 +128,7 @@ Request = (
     | Submit
     | Cancel
     | Attach
+    | Results
     | Detach
     | Status
     | SubscribeLogs
@@ -207,6 +216,8 @@ class GrowthStats(msgspec.Struct, frozen=True):
     lock_wait_seconds_max: float
     failures: dict[str, int]
     parked_retries: int
+    # Sessions whose KV was released so older ones could grow; decoded again later.
+    preemptions: int = 0
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -222,7 +233,11 @@ class SessionInfo(msgspec.Struct, frozen=True):
 
 
 class DaemonStatus(msgspec.Struct, frozen=True):
-    """What ``kvmux status`` shows."""
+    """What ``kvmux status`` shows.
+
+    Counts are the daemon's; ``sessions`` lists only the caller's own (every
+    session for an operator). ``caller`` is the owner the daemon sees.
+    """
 
     state: Literal["loading", "ready", "draining"]
     version: str
@@ -246,6 +261,8 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     memory_source: str
     growth: GrowthStats
     sessions: list[SessionInfo]
+    caller: str = ""
+    caller_is_operator: bool = False
 
 
 class _Reply(msgspec.Struct, frozen=True, tag_field="kind"):
@@ -273,13 +290,26 @@ class Accepted(_Reply, tag="accepted", frozen=True):
 
 
 class Attached(_Reply, tag="attached", frozen=True):
-    """Re-attached: the job's state and every result finished so far."""
+    """Attached: the job's tally; finished results are fetched with :class:`Results`."""
+
+    id: int
+    job_id: str
+    total: int
+    done: bool
+    ok: int
+    failed: int
+
+
+class ResultsPage(_Reply, tag="results", frozen=True):
+    """Finished results from ``start`` on, as many as fit one reply; ``next`` is
+    where the following page starts (None: no finished result beyond this page)."""
 
     id: int
     job_id: str
     total: int
     done: bool
     results: list[ItemResult]
+    next: int | None
 
 
 class Ack(_Reply, tag="ack", frozen=True):
@@ -315,7 +345,17 @@ class LogEvents(_Reply, tag="logs", frozen=True):
     dropped: int = 0
 
 
-Reply = Welcome | Accepted | Attached | Ack | StatusReply | ErrorReply | Events | LogEvents
+Reply = (
+    Welcome
+    | Accepted
+    | Attached
+    | ResultsPage
+    | Ack
+    | StatusReply
+    | ErrorReply
+    | Events
+    | LogEvents
+)
 
 
 class _Codec:

@@ -3,7 +3,8 @@
 Exit status: 0 after a stop, 78 (EX_CONFIG) for a configuration the daemon
 cannot start with (invalid config, model folder, KV setting), 1 otherwise.
 The first SIGTERM/SIGINT drains (``shutdown.grace``); a second one stops at
-once. SIGHUP reopens the log file, for logrotate.
+once. SIGHUP reopens the log file, for logrotate, and re-reads the CURVE
+authorized keys.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ async def _signals(daemon: Daemon, scope: anyio.CancelScope) -> None:
             if signum == signal.SIGHUP:
                 reopen_log_file()
                 log.info("log_reopened", signal=name)
+                try:
+                    daemon.reload()
+                except Exception:
+                    log.exception("reload_failed", signal=name)
             elif not draining:
                 draining = True
                 log.info("signal_received", signal=name, action="drain")

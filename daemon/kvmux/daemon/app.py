@@ -26,6 +26,7 @@ from kvmux.client.endpoint import daemon_default_endpoint
 from kvmux.client.errors import ShuttingDown
 from kvmux.kv import MemoryBudget, format_bytes, resolve_min_bucket
 
+from .access import OPERATOR, Caller
 from .config import Config
 from .coordinator import GrowthCoordinator
 from .engine import Engine, EngineOptions
@@ -162,6 +163,11 @@ class Daemon:
             f"{c['sessions_parked']} parked; KV {format_bytes(self.engine.budget.used)} in use"
         )
 
+    def reload(self) -> None:
+        """SIGHUP: re-read what can change without a restart (CURVE authorized keys)."""
+        if self.server is not None:
+            self.server.reload_keys()
+
     def stop(self) -> None:
         """Begin a graceful stop (drain); safe to call more than once."""
         self._stop.set()
@@ -202,7 +208,8 @@ class Daemon:
             max_job_items=cfg.scheduler.max_job_items,
         )
 
-    def status(self) -> p.DaemonStatus:
+    def status(self, caller: Caller = OPERATOR) -> p.DaemonStatus:
+        """The daemon's state; ``sessions`` only of jobs ``caller`` may see."""
         engine, scheduler, cfg = self.engine, self.scheduler, self.config
         # While the model loads there is no engine or scheduler yet: zeros, and
         # what the config already says.
@@ -239,5 +246,7 @@ class Daemon:
             device_total_bytes=None if mem is None else mem.total,
             memory_source="unavailable" if mem is None else mem.source,
             growth=self.coordinator.stats(),
-            sessions=scheduler.sessions() if scheduler is not None else [],
+            sessions=scheduler.sessions(caller) if scheduler is not None else [],
+            caller=caller.owner,
+            caller_is_operator=caller.operator,
         )

@@ -32,6 +32,7 @@ __all__ = [
     "ServerConfig",
     "ShutdownConfig",
     "load_config",
+    "owner_queue_share",
     "parse_config",
     "with_endpoint",
 ]
@@ -85,6 +86,23 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     client_timeout: PositiveFloat = 10.0
     curve_secret_key: str = ""
     curve_authorized_keys: str = ""
+    # z85 public keys (as in the clients' *.key files) that may see every job.
+    operator_keys: list[str] = msgspec.field(default_factory=list)
+    # A sender's malformed frames: this many get a typed reply at once, then
+    # bad_frames_per_second more; past that they are dropped, and a sender
+    # that sends bad_frame_burst more while dropped is disconnected.
+    bad_frame_burst: PositiveInt = 100
+    bad_frames_per_second: PositiveFloat = 10.0
+    # Bytes of replies the daemon holds for one client that is not reading
+    # (beyond libzmq's pipe of _SEND_HWM messages); past it, that client's
+    # messages are dropped (results stay fetchable).
+    max_client_buffer_bytes: Annotated[int, msgspec.Meta(ge=65536)] = 8 * 1024 * 1024
+    # The daemon stops accepting connections while its open file descriptors
+    # reach this (or 3/4 of its descriptor limit, whichever is lower), and
+    # accepts again below 3/4 of it: running out would make libzmq abort.
+    max_connections: PositiveInt = 4096
+    # A connection that has not finished the ZeroMQ handshake by then is closed.
+    handshake_timeout: PositiveFloat = 5.0
 
 
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -99,7 +117,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """``[scheduler]``: admission limits and what a failed growth does."""
 
     max_active_sessions: PositiveInt = 16
-    max_queued_items: PositiveInt = 4096
+    max_queued_items: PositiveInt = 8192
+    # One owner's share of the queue (0: half of max_queued_items), so one
+    # user's big submit leaves room for everyone else's.
+    max_queued_per_owner: NonNegInt = 0
     # The wire protocol carries at most 65536 items per submit.
     max_job_items: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 4096
     prefill_chunk: PositiveInt = 256
@@ -148,6 +169,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+
+
+def owner_queue_share(sched: SchedulerConfig) -> int:
+    """How many queued items one owner may hold."""
+    return sched.max_queued_per_owner or max(1, sched.max_queued_items // 2)
 
 
 def load_config(path: Path | str) -> Config:
@@ -257,11 +283,26 @@ def _check(cfg: Config, source: str) -> None:
             f"got {server.client_timeout}",
         )
 
+    for key in server.operator_keys:
+        if len(key) != 40:
+            raise fail(
+                "server.operator_keys",
+                f"{key!r} is not a z85 CURVE public key (40 characters, as in a *.key file)",
+            )
+
     sched = cfg.scheduler
-    if sched.max_job_items > sched.max_queued_items:
+    if sched.max_queued_per_owner > sched.max_queued_items:
+        raise fail(
+            "scheduler.max_queued_per_owner",
+            f"must be <= scheduler.max_queued_items ({sched.max_queued_items}), "
+            f"got {sched.max_queued_per_owner}",
+        )
+    share = owner_queue_share(sched)
+    if sched.max_job_items > share:
         raise fail(
             "scheduler.max_job_items",
-            f"must be <= scheduler.max_queued_items ({sched.max_queued_items}), "
+            f"must be <= one owner's share of the queue ({share}: "
+            "scheduler.max_queued_per_owner, by default half of scheduler.max_queued_items), "
             f"got {sched.max_job_items}: a bigger job could never be admitted",
         )
 

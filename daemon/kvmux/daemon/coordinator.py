@@ -49,6 +49,7 @@ class GrowthCoordinator:
         self.lock_wait_max = 0.0
         self.failures: Counter[str] = Counter()
         self.parked_retries = 0
+        self.preemptions = 0
 
     def _guard(self) -> AbstractAsyncContextManager[object]:
         return self._lock if self.serialize else contextlib.nullcontext()
@@ -100,4 +101,5 @@ class GrowthCoordinator:
             lock_wait_seconds_max=self.lock_wait_max,
             failures=dict(self.failures),
             parked_retries=self.parked_retries,
+            preemptions=self.preemptions,
         )

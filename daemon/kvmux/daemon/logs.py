@@ -16,6 +16,7 @@ import logging
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -76,9 +77,11 @@ class LogSubscription:
         job_id: str | None,
         maxlen: int,
         loop: asyncio.AbstractEventLoop | None,
+        visible: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
         self.min_level = min_level
         self.job_id = job_id
+        self._visible = visible
         self.dropped = 0
         """Events lost because the buffer was full (the oldest go first)."""
         self._min_number = _level_number(min_level)
@@ -92,7 +95,9 @@ class LogSubscription:
         level = LEVELS.get(str(event.get("level")), logging.INFO)
         if level < self._min_number:
             return False
-        return self.job_id is None or event.get("job_id") == self.job_id
+        if self.job_id is not None and event.get("job_id") != self.job_id:
+            return False
+        return self._visible is None or self._visible(event)
 
     def offer(self, event: dict[str, Any]) -> None:
         """Buffer ``event`` if it passes the filters; safe to call from any thread."""
@@ -136,16 +141,26 @@ class LogHub:
         self._subscriptions: tuple[LogSubscription, ...] = ()
 
     def subscribe(
-        self, *, min_level: str = "debug", job_id: str | None = None, maxlen: int = 10000
+        self,
+        *,
+        min_level: str = "debug",
+        job_id: str | None = None,
+        maxlen: int = 10000,
+        visible: Callable[[dict[str, Any]], bool] | None = None,
     ) -> LogSubscription:
-        """A new subscription; call it on the event loop that will ``wait()`` on it."""
+        """A new subscription; call it on the event loop that will ``wait()`` on it.
+
+        ``visible`` further limits what it gets (a client sees only its own jobs);
+        it is called from whichever thread logs."""
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None  # bound by the first wait() instead
-        sub = LogSubscription(min_level=min_level, job_id=job_id, maxlen=maxlen, loop=loop)
+        sub = LogSubscription(
+            min_level=min_level, job_id=job_id, maxlen=maxlen, loop=loop, visible=visible
+        )
         with self._lock:
             self._subscriptions = (*self._subscriptions, sub)
         return sub

@@ -2,8 +2,9 @@
 
 One loop owns all session state. Each turn it settles what happened since the
 last one (cancellations, failed growths), admits queued items up to
-``scheduler.max_active_sessions`` (round-robin across jobs, so one big job
-cannot starve a small one), sends every session that needs more KV to the
+``scheduler.max_active_sessions`` (to the owner with the fewest active
+sessions first, round-robin across that owner's jobs, so neither a big job
+nor a big user starves anyone), sends every session that needs more KV to the
 growth coordinator, and steps every other ready session — prefill in chunks
 of ``prefill_chunk`` tokens, decode one token, or a few decode tokens while
 nothing can change the ready set — in a single call to the engine's worker
@@ -12,6 +13,15 @@ into one model run is a change to the engine.
 
 Sessions are only ever released by the loop, between turns, when no step is
 in flight. A failure inside one session ends that item alone.
+
+Under ``on_growth_failure = "wait"`` with a ``kv.memory_budget``, an item
+whose KV fits the budget on its own always finishes: new sessions start only
+while the budget can carry the active ones through their next growth, a
+refused growth parks its session until memory is freed, and when every
+session is parked the newest is preempted — its KV released, the item put
+back at the head of the queue and decoded again from the start later, its
+already-sent tokens not sent twice (decoding is deterministic for a given
+seed, so the replay produces the very same tokens).
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from typing import Literal
 
 import anyio
 import anyio.abc
+import anyio.to_thread
+import msgspec
 import structlog
 
 from kvmux.client.errors import BadRequest, Cancelled, NotFound, Overloaded, ShuttingDown
@@ -42,9 +54,16 @@ from kvmux.client.protocol import (
     TokenDelta,
     Usage,
 )
-from kvmux.kv import GrowthFailed, GrowthResult
+from kvmux.kv import (
+    GrowthFailed,
+    GrowthResult,
+    capacity_bucket,
+    ensure_capacity,
+    resolve_min_bucket,
+)
 
-from .config import JobsConfig, SchedulerConfig
+from .access import OPERATOR, Caller
+from .config import JobsConfig, SchedulerConfig, owner_queue_share
 from .coordinator import GrowthCoordinator
 from .engine import Admission, DecodeSession, Engine, SamplingParams, StepOutput
 from .errors import error_info
@@ -79,6 +98,13 @@ class ItemState:
     failure: Exception | None = None
     admitted_seq: int = 0
     first_token_at: float | None = None
+    # A preempted item is decoded again from the start; what its client was
+    # already sent (tokens, text characters) is not sent twice.
+    sent_tokens: int = 0
+    sent_text: int = 0
+    seen_tokens: int = 0
+    seen_text: int = 0
+    preemptions: int = 0
 
     @property
     def session_id(self) -> str:
@@ -95,6 +121,7 @@ class JobState:
     clients: list[bytes]
     detached: bool
     name: str
+    owner: str  # who may see and act on it (see kvmux.daemon.access)
     items: list[ItemState] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
@@ -108,6 +135,22 @@ class JobState:
 
     def results(self) -> list[ItemResult]:
         return [it.result for it in self.items if it.result is not None]
+
+    def results_page(self, start: int, max_bytes: int) -> tuple[list[ItemResult], int | None]:
+        """Finished results from item ``start`` on, up to about ``max_bytes`` encoded
+        (at least one); and the index the next page starts at, None when none is left."""
+        page: list[ItemResult] = []
+        size = 0
+        for state in self.items[start:]:
+            result = state.result
+            if result is None:
+                continue
+            n = len(_ENCODER.encode(result))
+            if page and size + n > max_bytes:
+                return page, state.index
+            page.append(result)
+            size += n
+        return page, None
 
 
 class Scheduler:
@@ -128,9 +171,12 @@ class Scheduler:
         self.cfg = cfg
         self.jobs_cfg = jobs_cfg
         self._deliver = deliver
-        self._queue: OrderedDict[str, deque[ItemState]] = OrderedDict()
+        # owner -> job id -> that job's queued items; both levels round-robin.
+        self._queue: OrderedDict[str, OrderedDict[str, deque[ItemState]]] = OrderedDict()
         self._queued = 0
+        self._queued_by: Counter[str] = Counter()  # per owner, submits being checked included
         self._reserved = 0  # queue slots held by submits still being validated
+        self._tokenizer = anyio.CapacityLimiter(1)
         self._active: list[ItemState] = []
         self._jobs: dict[str, JobState] = {}
         self._retained: OrderedDict[str, JobState] = OrderedDict()
@@ -146,8 +192,18 @@ class Scheduler:
         self.metrics: Metrics | None = None
 
     # -- what the server calls --------------------------------------------------
-    async def submit(self, owner: bytes, msg: Submit) -> JobState:
-        """Validate and enqueue a job. Whole-job refusals raise; a bad item fails alone."""
+    async def submit(
+        self,
+        client: bytes,
+        msg: Submit,
+        *,
+        caller: Caller = OPERATOR,
+        still_wanted: Callable[[], bool] | None = None,
+    ) -> JobState | None:
+        """Validate and enqueue a job. Whole-job refusals raise; a bad item fails alone.
+
+        None if ``still_wanted`` says, once the items are checked, that the client
+        is gone: a job nobody can learn the id of is never started."""
         if self.draining:
             raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
         n = len(msg.items)
@@ -164,15 +220,39 @@ class Scheduler:
                 f"(scheduler.max_queued_items); the job's {n} items do not fit. Retry later.",
                 {"items": n, "queued": self._queued, "max_queued_items": self.cfg.max_queued_items},
             )
+        owner = caller.owner
+        share = owner_queue_share(self.cfg)
+        mine = self._queued_by[owner]
+        if mine + n > share:
+            raise Overloaded(
+                f"your queue share is full: {mine} of your items are queued and one owner may "
+                f"queue {share} (scheduler.max_queued_per_owner); the job's {n} items do not "
+                "fit. Retry when some have started.",
+                {"items": n, "queued_by_you": mine, "max_queued_per_owner": share},
+            )
         self._reserved += n
+        self._queued_by[owner] += n
         try:
-            checks = await self.worker.run(self._admit_all, msg.items)
+            # Tokenizing is neither the event loop's nor the model thread's work:
+            # a long prompt on a side thread (the tokenizer lets go of the GIL)
+            # holds up no step and no other client.
+            checks = await anyio.to_thread.run_sync(
+                self._admit_all, msg.items, limiter=self._tokenizer
+            )
         finally:
             self._reserved -= n
+            self._queued_by[owner] -= n
         if self.draining:  # the stop began while the items were being checked
             raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
+        if still_wanted is not None and not still_wanted():
+            log.info("job_dropped", owner=owner, items=n, reason="client gone before it started")
+            return None
         job = JobState(
-            job_id=secrets.token_hex(6), clients=[owner], detached=msg.detach, name=msg.name
+            job_id=secrets.token_hex(6),
+            clients=[client],
+            detached=msg.detach,
+            name=msg.name,
+            owner=owner,
         )
         self._jobs[job.job_id] = job
         queue: deque[ItemState] = deque()
@@ -193,8 +273,9 @@ class Scheduler:
             detached=job.detached,
         )
         if queue:
-            self._queue[job.job_id] = queue
+            self._queue.setdefault(owner, OrderedDict())[job.job_id] = queue
             self._queued += len(queue)
+            self._queued_by[owner] += len(queue)
         for state in job.items:
             if state.failure is not None:
                 self._finish(state, error=state.failure)
@@ -202,7 +283,6 @@ class Scheduler:
         return job
 
     def _admit_all(self, items: list[Item]) -> list[Admission | Exception]:
-        # On the worker thread: tokenizing is the engine's work too.
         return [self._admit(item) for item in items]
 
     def _admit(self, item: Item) -> Admission | Exception:
@@ -226,6 +306,8 @@ class Scheduler:
                 ignore_eos=item.ignore_eos,
             )
             prompt = item.prompt if item.prompt is not None else list(item.prompt_tokens or [])
+            if isinstance(prompt, str):
+                self._check_prompt_bytes(prompt, item.max_context)
             admission = self.engine.admit(prompt, params, max_context=item.max_context)
             cap = self.cfg.max_prompt_tokens
             if cap and len(admission.prompt_ids) > cap:
@@ -238,8 +320,44 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - the item fails alone, typed
             return exc
 
-    def find(self, job_id: str) -> JobState:
+    def _check_prompt_bytes(self, prompt: str, max_context: int | None) -> None:
+        """Refuse a text prompt that cannot fit before spending time tokenizing it.
+
+        A token stands for at most ``text_bytes_per_token`` bytes of text, so a
+        prompt of B bytes has at least B / that many tokens: over the tightest of
+        scheduler.max_prompt_tokens, the item's hard maximum and the protocol's
+        bound, it is refused unread."""
+        per_token = self.engine.tokenizer.text_bytes_per_token
+        size = len(prompt.encode("utf-8", errors="surrogatepass"))
+        at_least = -(-size // per_token)
+        hard = self.engine.hard_max_for(max_context)
+        if hard.value is not None and at_least > hard.value:
+            # The driver refuses it with every diagnostic, before allocating
+            # anything (a cache of capacity 0 holds no memory).
+            ensure_capacity(self.engine.new_cache(hard), at_least)
+        cap = self.cfg.max_prompt_tokens or (1 << 20)
+        if at_least > cap:
+            raise BadRequest(
+                f"prompt is {size} bytes, so at least {at_least} tokens; this daemon takes at "
+                f"most {cap} (scheduler.max_prompt_tokens). Shorten the prompt.",
+                {
+                    "prompt_bytes": size,
+                    "prompt_tokens_at_least": at_least,
+                    "max_prompt_tokens": cap,
+                },
+            )
+
+    def owner_of(self, job_id: str) -> str | None:
+        """The owner of a job this daemon holds (running or retained); None if unknown."""
         job = self._jobs.get(job_id) or self._retained.get(job_id)
+        return None if job is None else job.owner
+
+    def find(self, job_id: str, caller: Caller = OPERATOR) -> JobState:
+        """The job, if ``caller`` may see it; otherwise the same ``not_found`` an unknown
+        id gets, so ids cannot be probed."""
+        job = self._jobs.get(job_id) or self._retained.get(job_id)
+        if job is not None and not caller.may_see(job.owner):
+            job = None
         if job is None:
             raise NotFound(
                 f"no job {job_id!r}: it never existed here, or its results were dropped after "
@@ -250,18 +368,20 @@ class Scheduler:
             )
         return job
 
-    def attach(self, client: bytes, job_id: str) -> JobState:
+    def attach(self, client: bytes, job_id: str, caller: Caller = OPERATOR) -> JobState:
         """Add ``client`` to the job's audience (the others keep theirs)."""
-        job = self.find(job_id)
+        job = self.find(job_id, caller)
         if client not in job.clients:
             job.clients.append(client)
         return job
 
-    def detach(self, job_id: str) -> None:
-        self.find(job_id).detached = True
+    def detach(self, job_id: str, caller: Caller = OPERATOR) -> None:
+        self.find(job_id, caller).detached = True
 
-    def cancel(self, job_id: str, reason: Exception | None = None) -> JobState:
-        job = self.find(job_id)
+    def cancel(
+        self, job_id: str, reason: Exception | None = None, *, caller: Caller = OPERATOR
+    ) -> JobState:
+        job = self.find(job_id, caller)
         self._cancel_job(job, reason or Cancelled("cancelled by request", {"job_id": job_id}))
         return job
 
@@ -285,9 +405,12 @@ class Scheduler:
         return [j.job_id for j in gone]
 
     def _cancel_job(self, job: JobState, reason: Exception) -> None:
-        queue = self._queue.pop(job.job_id, None)
+        jobs = self._queue.get(job.owner)
+        queue = jobs.pop(job.job_id, None) if jobs is not None else None
+        if jobs is not None and not jobs:
+            del self._queue[job.owner]
         if queue:
-            self._queued -= len(queue)
+            self._unqueued(job.owner, len(queue))
             for state in queue:
                 self._finish(state, error=reason)
         for state in job.items:
@@ -382,27 +505,98 @@ class Scheduler:
                 self._finish(state, error=state.failure)
         parked = [s for s in self._active if s.phase == "parked"]
         if parked and not any(s.phase in ("active", "growing") for s in self._active):
-            # Nobody left who could free memory: waiting would never end. Fail
-            # the newest parked session so the older ones can proceed.
+            # Nobody left who could free memory: waiting would never end. The
+            # newest parked session makes room for the older ones: preempted
+            # (decoded again later) when it can ever fit, else failed.
             victim = max(parked, key=lambda s: s.admitted_seq)
-            self._finish(victim, error=victim.failure or _stuck(victim))
+            if len(parked) > 1 and self._fits_alone(victim):
+                self._preempt(victim)
+                self._unpark()
+            else:
+                self._finish(victim, error=victim.failure or _stuck(victim))
+
+    # -- memory arithmetic (only with an explicit kv.memory_budget) --------------------
+    def _bucket_bytes(self, tokens: int, admission: Admission) -> int:
+        bucket = capacity_bucket(
+            max(tokens, 1),
+            admission.hard_max.value,
+            resolve_min_bucket(self.engine.options.min_bucket),
+        )
+        return bucket * self.engine.kv_spec.bytes_per_token
+
+    def _fits_alone(self, state: ItemState) -> bool:
+        """Whether the item's whole decode fits the budget with no other session:
+        its last bucket and the one before it (a growth holds both)."""
+        total = self.engine.budget.total
+        admission = state.admission
+        if total is None or admission is None:
+            return True
+        prompt = len(admission.prompt_ids)
+        first = self._bucket_bytes(prompt, admission)
+        final = self._bucket_bytes(prompt + admission.sampling.max_new_tokens, admission)
+        peak = final + max(first, final // 2) if final > first else final
+        return peak <= total
+
+    def _growth_reserve(self) -> int:
+        """Bytes the active sessions need on top of what they hold to each make their
+        next growth (growths are serialized: all the growths' net gains plus the
+        largest transient old buffer)."""
+        gains, largest = 0, 0
+        for state in self._active:
+            session = state.session
+            if session is None or state.admission is None:
+                continue
+            cache = session.cache
+            now = cache.nbytes
+            gains += max(self._bucket_bytes(cache.capacity + 1, state.admission) - now, 0)
+            largest = max(largest, now)
+        return gains + largest
 
     async def _admit_queued(self) -> None:
         if any(s.phase == "parked" for s in self._active):
             return  # memory is short: what a finished session frees goes to the parked
         slots = self.cfg.max_active_sessions - len(self._active)
         batch: list[ItemState] = []
+        active_by = Counter(s.job.owner for s in self._active)
+        budget = self.engine.budget
+        need = self._growth_reserve() if budget.total is not None else 0
         while slots > 0 and self._queue:
-            job_id, queue = next(iter(self._queue.items()))
-            state = queue.popleft()
-            self._queued -= 1
+            # The owner with the fewest active sessions goes first; among equals,
+            # the order rotates. Within an owner, its jobs take turns.
+            owner = min(self._queue, key=lambda o: active_by[o])
+            jobs = self._queue[owner]
+            job_id, queue = next(iter(jobs.items()))
+            state = queue[0]
+            if budget.total is not None and (self._active or batch):
+                admission = state.admission
+                assert admission is not None
+                prompt = len(admission.prompt_ids)
+                first = self._bucket_bytes(prompt, admission)
+                second = self._bucket_bytes(
+                    capacity_bucket(
+                        prompt, None, resolve_min_bucket(self.engine.options.min_bucket)
+                    )
+                    + 1,
+                    admission,
+                )
+                if budget.used + need + first + max(second - first, 0) > budget.total:
+                    break  # not enough to carry everyone to their next growth: it waits
+                need += first + max(second - first, 0)
+            queue.popleft()
             if queue:
-                self._queue.move_to_end(job_id)
+                jobs.move_to_end(job_id)
             else:
-                del self._queue[job_id]
+                del jobs[job_id]
+            if jobs:
+                self._queue.move_to_end(owner)
+            else:
+                del self._queue[owner]
+            self._unqueued(owner, 1)
+            active_by[owner] += 1
             state.phase = "opening"
-            self._seq += 1
-            state.admitted_seq = self._seq
+            if not state.admitted_seq:  # a preempted item keeps its place among the old
+                self._seq += 1
+                state.admitted_seq = self._seq
             batch.append(state)
             slots -= 1
         if not batch:
@@ -422,7 +616,7 @@ class Scheduler:
                 continue
             state.session = session
             state.phase = "active"
-            state.admission = None
+            state.seen_tokens = state.seen_text = 0
             log.info(
                 "session_started",
                 job_id=state.job.job_id,
@@ -512,14 +706,27 @@ class Scheduler:
 
     def _growth_failed(self, state: ItemState, exc: GrowthFailed) -> None:
         log.warning("kv_growth_failed", retries=state.retries, **exc.details)
-        others_can_free = any(
-            s is not state and s.phase in ("active", "growing") for s in self._active
-        )
-        if (
-            self.cfg.on_growth_failure == "wait"
-            and state.retries < self.cfg.growth_retries
-            and others_can_free
-        ):
+        others_hold = [s for s in self._active if s is not state and s.session is not None]
+        others_can_free = any(s.phase in ("active", "growing") for s in others_hold)
+        waiting = self.cfg.on_growth_failure == "wait"
+        budget_said_no = exc.details.get("cause") == "budget"
+        if waiting and budget_said_no and others_hold and self._fits_alone(state):
+            # The budget, not the device, said no, and others hold memory: an
+            # item that fits alone is never failed for it (see the module doc).
+            if others_can_free:
+                state.phase = "parked"
+                state.failure = exc
+                log.info("session_parked", reason="budget")
+            else:
+                # Everyone else is parked too: the newest of all makes room.
+                parked = [s for s in others_hold if s.phase == "parked"]
+                self._preempt(max([*parked, state], key=lambda s: s.admitted_seq))
+                if state.phase != "queued":
+                    state.phase = "parked"
+                    state.failure = exc
+                self._unpark()
+            return
+        if waiting and state.retries < self.cfg.growth_retries and others_can_free:
             state.retries += 1
             state.phase = "parked"
             state.failure = exc  # what it will fail with if waiting does not help
@@ -536,15 +743,24 @@ class Scheduler:
             state.first_token_at = time.monotonic()
             if self.metrics is not None:
                 self.metrics.ttft.observe(state.first_token_at - state.job.created)
-        if out.token_ids or out.text:
-            self.tokens_generated += len(out.token_ids)
+        # After a preemption the item replays from its start: only what goes
+        # beyond what its clients were already sent is new to them.
+        skip_tokens = max(0, state.sent_tokens - state.seen_tokens)
+        skip_text = max(0, state.sent_text - state.seen_text)
+        state.seen_tokens += len(out.token_ids)
+        state.seen_text += len(out.text)
+        state.sent_tokens = max(state.sent_tokens, state.seen_tokens)
+        state.sent_text = max(state.sent_text, state.seen_text)
+        token_ids, text = out.token_ids[skip_tokens:], out.text[skip_text:]
+        if token_ids or text:
+            self.tokens_generated += len(token_ids)
             self._emit(
                 state.job,
                 TokenDelta(
                     job_id=state.job.job_id,
                     index=state.index,
-                    token_ids=out.token_ids,
-                    text=out.text,
+                    token_ids=token_ids,
+                    text=text,
                 ),
             )
         if out.finished:
@@ -618,6 +834,40 @@ class Scheduler:
         if freed:
             self._unpark()
 
+    def _preempt(self, state: ItemState) -> None:
+        """Release ``state``'s KV and put it back at the head of its job's queue; it
+        decodes again from the start when memory allows (same seed, same tokens)."""
+        session = state.session
+        assert session is not None and state.admission is not None
+        session.release()
+        state.session = None
+        state.preemptions += 1
+        state.phase = "queued"
+        state.failure = None
+        self._active.remove(state)
+        job = state.job
+        jobs = self._queue.setdefault(job.owner, OrderedDict())
+        jobs.setdefault(job.job_id, deque()).appendleft(state)
+        # Its owner and job go first next time: it is among the oldest.
+        jobs.move_to_end(job.job_id, last=False)
+        self._queue.move_to_end(job.owner, last=False)
+        self._queued += 1
+        self._queued_by[job.owner] += 1
+        self.coordinator.preemptions += 1
+        log.info(
+            "session_preempted",
+            job_id=job.job_id,
+            session_id=state.session_id,
+            sent_tokens=state.sent_tokens,
+            preemptions=state.preemptions,
+        )
+
+    def _unqueued(self, owner: str, n: int) -> None:
+        self._queued -= n
+        self._queued_by[owner] -= n
+        if not self._queued_by[owner]:
+            del self._queued_by[owner]
+
     def _unpark(self) -> None:
         for state in self._active:
             if state.phase == "parked":
@@ -687,11 +937,12 @@ class Scheduler:
             "sessions_parked": parked,
         }
 
-    def sessions(self) -> list[SessionInfo]:
+    def sessions(self, caller: Caller = OPERATOR) -> list[SessionInfo]:
+        """The live sessions of the jobs ``caller`` may see."""
         out = []
         for state in self._active:
             session = state.session
-            if session is None:
+            if session is None or not caller.may_see(state.job.owner):
                 continue
             out.append(
                 SessionInfo(
@@ -705,6 +956,9 @@ class Scheduler:
                 )
             )
         return out
+
+
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 def _stuck(state: ItemState) -> Exception:

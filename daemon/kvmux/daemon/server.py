@@ -4,6 +4,23 @@ Every reply is queued to one sender task, so a request's reply always leaves
 before the events the scheduler produces after it. Errors are translated
 here, in one place: a typed error keeps its code and details; anything else
 is logged with its traceback and answered ``internal``.
+
+The socket is shared by people who do not trust each other, so nothing a
+client sends may end, stall or bloat the daemon:
+
+- any failure handling one frame becomes a typed ``bad_request`` (or a drop);
+- the receive loop yields after every message, so a flood cannot starve the
+  scheduler, the replies or the heartbeats;
+- each sender has a budget of malformed frames (replied, then dropped, then
+  its connection is shut);
+- libzmq buffers at most ``_RECV_HWM`` messages from and ``_SEND_HWM``
+  messages to each connection, and the daemon itself at most
+  ``server.max_client_buffer_bytes`` for a client that does not read;
+- the daemon stops accepting connections before it runs out of file
+  descriptors (libzmq aborts on EMFILE), and half-open connections are
+  closed after ``server.handshake_timeout``;
+- every job belongs to its owner (see :mod:`.access`): others get
+  ``not_found`` for it and never see it in status or in the log stream.
 """
 
 from __future__ import annotations
@@ -11,10 +28,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import resource
 import socket
+import struct
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -27,14 +49,42 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvmux.client import protocol as p
 from kvmux.client.endpoint import ipc_path
-from kvmux.client.errors import BadRequest, NotReady, VersionMismatch
+from kvmux.client.errors import BadRequest, NotReady, Unauthorized, VersionMismatch
 
+from .access import ANONYMOUS, Caller, curve_caller, ipc_caller
 from .config import ConfigError, ServerConfig
 from .errors import error_info
 from .logs import LogSubscription, hub
 from .scheduler import Scheduler
 
 log = structlog.get_logger("kvmux.server")
+
+# libzmq's per-connection pipes, in messages. Inbound: a connection the loop
+# has not caught up with holds at most this many (each <= max_message_bytes),
+# then libzmq stops reading it. Outbound: past this, a client's messages wait
+# in the daemon's own byte-bounded backlog.
+_RECV_HWM = 4
+_SEND_HWM = 64
+# A results page stays under this, so one reply (and _SEND_HWM of them) is bounded.
+RESULTS_PAGE_BYTES = 256 * 1024
+_FD_CHECK_SECONDS = 0.02
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard one; returns (soft, hard) after.
+
+    systemd's default soft limit (1024) is far below what a socket shared by
+    many clients needs, and running out makes libzmq abort."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 class EndpointInUse(RuntimeError):
@@ -58,6 +108,24 @@ def prepare_ipc(path: Path) -> None:
     raise EndpointInUse(f"another process already listens on {path}; stop it or pick another")
 
 
+@dataclass(eq=False)
+class Peer:
+    """What the server knows of one connection (a ROUTER identity)."""
+
+    caller: Caller
+    seen: float
+    fd: int | None
+    # Malformed-frame budget: a token bucket, and drops since it ran dry.
+    allowance: float
+    allowance_at: float
+    drops: int = 0
+    rejected: int = 0
+    # Replies libzmq would not take yet (its pipe to this client is full).
+    backlog: deque[bytes] = field(default_factory=deque)
+    backlog_bytes: int = 0
+    lost: int = 0
+
+
 class Server:
     """Owns the ROUTER socket, client liveness and log subscriptions."""
 
@@ -67,7 +135,7 @@ class Server:
         cfg: ServerConfig,
         *,
         hello: Callable[[], p.Welcome],
-        status: Callable[[], p.DaemonStatus],
+        status: Callable[[Caller], p.DaemonStatus],
     ) -> None:
         self.endpoint = endpoint
         self.cfg = cfg
@@ -76,29 +144,43 @@ class Server:
         self._status = status
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._bound: str | None = None  # what sock.bind() resolved the endpoint to
         self._out, self._out_rx = anyio.create_memory_object_stream[tuple[bytes, bytes]](math.inf)
-        self._clients: dict[bytes, float] = {}
+        self._peers: dict[bytes, Peer] = {}
+        self._banned: dict[bytes, float] = {}  # identities shut for garbage, until when
         self._log_subs: dict[bytes, tuple[LogSubscription, anyio.CancelScope]] = {}
-        self._rejects: dict[bytes, int] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._auth: AsyncioAuthenticator | None = None
+        self._authorized: frozenset[str] = frozenset()
+        self._operator_keys = frozenset(cfg.operator_keys)
+        self._transport = endpoint.split("://", 1)[0]
+        self._fd_limit = raise_fd_limit()[0]
+        self.listening = True
         self.requests = 0
         self.rejected = 0
+        self.dropped_frames = 0
+        self.disconnected = 0
+        self.lost_replies = 0
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
-        # A slow client's backlog is bounded by what it submitted; results are
-        # also kept on the job, so a dropped event is recoverable by re-attach.
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
+        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        # A full pipe raises EAGAIN instead of silently dropping, so the
+        # daemon knows which client is not reading and holds its replies in
+        # a byte-bounded backlog; a gone identity raises EHOSTUNREACH.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.cfg.handshake_timeout * 1000))
         if self.cfg.curve_secret_key:
             self._enable_curve(sock)
         path = ipc_path(self.endpoint)
         if path is not None:
             prepare_ipc(path)
         sock.bind(self.endpoint)
+        self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint
         if path is not None:
             os.chmod(path, 0o660)
         self._sock = sock
@@ -123,10 +205,23 @@ class Server:
         # ZAP: libzmq asks this handler about every CURVE handshake on the context.
         self._auth = AsyncioAuthenticator(self._ctx)
         self._auth.start()
-        self._auth.configure_curve(domain="*", location=str(keys))
+        self.reload_keys()
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
+
+    def reload_keys(self) -> None:
+        """Re-read the authorized CURVE keys (SIGHUP): a removed key stops working at once,
+        on new connections (ZAP) and on open ones (checked on every message)."""
+        if self._auth is None:
+            return
+        location = self.cfg.curve_authorized_keys
+        keys = zmq.auth.load_certificates(location)
+        self._auth.configure_curve(domain="*", location=location)
+        self._authorized = frozenset(
+            k.decode("ascii") if isinstance(k, bytes) else str(k) for k in keys
+        )
+        log.info("curve_keys_loaded", folder=location, keys=len(self._authorized))
 
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -138,6 +233,7 @@ class Server:
                 self._tg = tg
                 tg.start_soon(self._send_loop)
                 tg.start_soon(self._reap_loop)
+                tg.start_soon(self._fd_guard)
                 task_status.started()
                 await self._receive_loop()
         finally:
@@ -163,12 +259,18 @@ class Server:
     async def flush(self, timeout: float = 2.0) -> None:
         """Wait until every queued message was handed to ZeroMQ (used at shutdown)."""
         with anyio.move_on_after(timeout):
-            while self._out_rx.statistics().current_buffer_used:
+            while self._out_rx.statistics().current_buffer_used or any(
+                peer.backlog for peer in self._peers.values()
+            ):
                 await anyio.sleep(0.01)
 
     @property
     def clients(self) -> int:
-        return len(self._clients)
+        return len(self._peers)
+
+    def alive(self, ident: bytes) -> bool:
+        """Whether ``ident`` is a client the server still knows (not gone, not reaped)."""
+        return ident in self._peers
 
     # -- sending -----------------------------------------------------------------
     def send(self, ident: bytes, msg: p.Reply) -> None:
@@ -181,39 +283,132 @@ class Server:
         self.send(owner, p.Events(events=events))
 
     async def _send_loop(self) -> None:
-        async for ident, data in self._out_rx:
-            if self._sock is None:
-                return
-            # ROUTER drops messages for identities that are gone; never blocks.
-            await self._sock.send_multipart([ident, data])
+        while True:
+            waiting = any(peer.backlog for peer in self._peers.values())
+            with anyio.move_on_after(0.005 if waiting else math.inf):
+                try:
+                    ident, data = await self._out_rx.receive()
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    return
+                await self._send_or_hold(ident, data)
+                continue
+            await self._retry_backlogs()
+
+    async def _send_or_hold(self, ident: bytes, data: bytes) -> None:
+        peer = self._peers.get(ident)
+        if peer is not None and peer.backlog:
+            self._hold(peer, data)  # keep the order: behind what already waits
+            return
+        if await self._try_send(ident, data) is False and peer is not None:
+            self._hold(peer, data)
+
+    async def _try_send(self, ident: bytes, data: bytes) -> bool | None:
+        """True: sent; False: the client's pipe is full; None: the client is gone."""
+        if self._sock is None:
+            return None
+        try:
+            await self._sock.send_multipart([ident, data], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError:  # EHOSTUNREACH: that connection is gone
+            return None
+        return True
+
+    def _hold(self, peer: Peer, data: bytes) -> None:
+        if peer.backlog_bytes + len(data) > self.cfg.max_client_buffer_bytes:
+            peer.lost += 1
+            self.lost_replies += 1
+            if math.log2(peer.lost).is_integer():
+                log.warning(
+                    "client_not_reading",
+                    owner=peer.caller.owner,
+                    held_bytes=peer.backlog_bytes,
+                    dropped_messages=peer.lost,
+                )
+            return
+        peer.backlog.append(data)
+        peer.backlog_bytes += len(data)
+
+    async def _retry_backlogs(self) -> None:
+        for ident, peer in list(self._peers.items()):
+            while peer.backlog:
+                sent = await self._try_send(ident, peer.backlog[0])
+                if sent is False:
+                    break
+                data = peer.backlog.popleft()
+                peer.backlog_bytes -= len(data)
 
     # -- receiving -----------------------------------------------------------------
     async def _receive_loop(self) -> None:
         assert self._sock is not None
         while True:
-            frames = await self._sock.recv_multipart()
-            ident = frames[0]
-            if len(frames) != 2:
-                self._reject(ident, None, f"expected one message frame, got {len(frames) - 1}")
-                continue
-            await self._handle(ident, frames[1])
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                await self._on_message(frames)
+            except Exception:
+                log.exception("frame_handling_failed")
+            # recv_multipart returns at once while messages are queued: yield,
+            # so a flood cannot starve the scheduler, the sender or heartbeats.
+            await anyio.lowlevel.checkpoint()
 
-    async def _handle(self, ident: bytes, data: bytes) -> None:
+    async def _on_message(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        if ident in self._banned:
+            self.dropped_frames += 1
+            return
+        caller = self._caller(frames[0])
+        if caller is None:
+            self._refuse_key(ident)
+            return
+        if len(frames) != 2:
+            self._bad_frame(
+                ident, frames[0], caller, None, f"expected one message frame, got {len(frames) - 1}"
+            )
+            return
+        data = frames[1].bytes
         self.requests += 1
         try:
             req = p.decode_request(data)
-        except msgspec.DecodeError as exc:
-            self._reject(ident, _salvage_id(data), f"malformed request: {exc}")
+        except Exception as exc:  # noqa: BLE001 - DecodeError, and RecursionError on deep nesting
+            why = (
+                f"malformed request: {exc}"
+                if isinstance(exc, msgspec.DecodeError)
+                else (f"malformed request: {type(exc).__name__}")
+            )
+            self._bad_frame(ident, frames[0], caller, _salvage_id(data), why)
             return
-        self._clients[ident] = time.monotonic()
+        peer = self._touch(ident, frames[0], caller)
         try:
-            await self._dispatch(ident, req)
+            await self._dispatch(ident, peer.caller, req)
         except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
             self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op=type(req).__name__)))
 
-    async def _dispatch(self, ident: bytes, req: p.Request) -> None:
+    def _caller(self, frame: zmq.Frame) -> Caller | None:
+        """Who sent ``frame``; None for a CURVE key that is no longer authorized."""
+        if self._auth is not None:
+            caller = curve_caller(_property(frame, "User-Id"), self._operator_keys)
+            return caller if caller.owner.removeprefix("key:") in self._authorized else None
+        if self._transport == "ipc":
+            return ipc_caller(_property(frame, "Peer-Address"))
+        return Caller(ANONYMOUS)
+
+    def _touch(self, ident: bytes, frame: zmq.Frame, caller: Caller) -> Peer:
+        now = time.monotonic()
+        peer = self._peers.get(ident)
+        if peer is None:
+            fd: int | None
+            try:
+                fd = frame.get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = None
+            burst = float(self.cfg.bad_frame_burst)
+            peer = self._peers[ident] = Peer(caller, now, fd, burst, now)
+        peer.seen = now
+        return peer
+
+    async def _dispatch(self, ident: bytes, caller: Caller, req: p.Request) -> None:
         sched = self.scheduler
-        if sched is None and isinstance(req, p.Submit | p.Cancel | p.Attach | p.Detach):
+        if sched is None and isinstance(req, p.Submit | p.Cancel | p.Attach | p.Detach | p.Results):
             raise NotReady(
                 "kvmuxd is still loading its model; retry shortly (`kvmux status --wait` "
                 "waits until it is ready)"
@@ -228,16 +423,16 @@ class Server:
                     )
                 self.send(ident, msgspec.structs.replace(self._hello(), id=req.id))
             case p.Submit():
-                # Validation tokenizes on the worker thread: do not hold up others.
+                # Validation tokenizes off the event loop: do not hold up others.
                 assert self._tg is not None
-                self._tg.start_soon(self._submit, ident, req)
+                self._tg.start_soon(self._submit, ident, caller, req)
             case p.Cancel(job_id=job_id):
                 assert sched is not None
-                sched.cancel(job_id)
+                sched.cancel(job_id, caller=caller)
                 self.send(ident, p.Ack(id=req.id))
             case p.Attach(job_id=job_id):
                 assert sched is not None
-                job = sched.attach(ident, job_id)
+                job = sched.attach(ident, job_id, caller)
                 self.send(
                     ident,
                     p.Attached(
@@ -245,17 +440,33 @@ class Server:
                         job_id=job.job_id,
                         total=len(job.items),
                         done=job.done,
-                        results=job.results(),
+                        ok=job.ok,
+                        failed=job.failed,
+                    ),
+                )
+            case p.Results(job_id=job_id, start=start):
+                assert sched is not None
+                job = sched.find(job_id, caller)
+                results, after = job.results_page(start, RESULTS_PAGE_BYTES)
+                self.send(
+                    ident,
+                    p.ResultsPage(
+                        id=req.id,
+                        job_id=job.job_id,
+                        total=len(job.items),
+                        done=job.done,
+                        results=results,
+                        next=after,
                     ),
                 )
             case p.Detach(job_id=job_id):
                 assert sched is not None
-                sched.detach(job_id)
+                sched.detach(job_id, caller)
                 self.send(ident, p.Ack(id=req.id))
             case p.Status():
-                self.send(ident, p.StatusReply(id=req.id, status=self._status()))
+                self.send(ident, p.StatusReply(id=req.id, status=self._status(caller)))
             case p.SubscribeLogs(level=level, job_id=job_id):
-                self._subscribe_logs(ident, level, job_id)
+                self._subscribe_logs(ident, caller, level, job_id)
                 self.send(ident, p.Ack(id=req.id))
             case p.UnsubscribeLogs():
                 self._unsubscribe_logs(ident)
@@ -266,54 +477,153 @@ class Server:
                 self.send(ident, p.Ack(id=req.id))
                 self._forget(ident, "its client closed the connection", "client_closed")
 
-    async def _submit(self, ident: bytes, req: p.Submit) -> None:
+    async def _submit(self, ident: bytes, caller: Caller, req: p.Submit) -> None:
         try:
             assert self.scheduler is not None  # _dispatch answered not_ready without one
-            job = await self.scheduler.submit(ident, req)
+            # The job starts only if its client is still there once its items
+            # are checked: nobody could ever learn the id of one that is not.
+            job = await self.scheduler.submit(
+                ident, req, caller=caller, still_wanted=lambda: self.alive(ident)
+            )
         except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
             self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op="Submit")))
+            return
+        if job is None:
             return
         # No await between admission and this reply: it leaves before any event.
         self.send(ident, p.Accepted(id=req.id, job_id=job.job_id, total=len(job.items)))
 
-    def _reject(self, ident: bytes, rid: int | None, why: str) -> None:
+    # -- hostile input ---------------------------------------------------------------
+    def _bad_frame(
+        self, ident: bytes, frame: zmq.Frame, caller: Caller, rid: int | None, why: str
+    ) -> None:
+        """Reply while the sender's budget lasts, then drop, then disconnect."""
         self.rejected += 1
-        count = self._rejects.get(ident, 0) + 1
-        self._rejects[ident] = count
-        if math.log10(count).is_integer():  # 1st, 10th, 100th ...: a flood stays readable
-            log.warning("request_rejected", client=ident.hex(), reason=why[:300], count=count)
-        self.send(ident, p.ErrorReply(id=rid, error=BadRequest(why).to_info()))
+        peer = self._touch(ident, frame, caller)
+        peer.rejected += 1
+        now = time.monotonic()
+        cfg = self.cfg
+        peer.allowance = min(
+            float(cfg.bad_frame_burst),
+            peer.allowance + (now - peer.allowance_at) * cfg.bad_frames_per_second,
+        )
+        peer.allowance_at = now
+        if math.log10(peer.rejected).is_integer():  # 1st, 10th, 100th ...: a flood stays readable
+            log.warning(
+                "request_rejected", owner=caller.owner, reason=why[:300], count=peer.rejected
+            )
+        if peer.allowance >= 1.0:
+            peer.allowance -= 1.0
+            peer.drops = 0
+            self.send(ident, p.ErrorReply(id=rid, error=BadRequest(why).to_info()))
+            return
+        peer.drops += 1
+        self.dropped_frames += 1
+        if peer.drops > cfg.bad_frame_burst:
+            self._disconnect(ident, peer, "bad_frames")
+
+    def _refuse_key(self, ident: bytes) -> None:
+        """A CURVE key removed from the authorized folder: answer once, then shut it out."""
+        self.send(
+            ident,
+            p.ErrorReply(
+                id=None,
+                error=Unauthorized(
+                    "this client's key is no longer authorized on this daemon "
+                    "(removed from server.curve_authorized_keys)"
+                ).to_info(),
+            ),
+        )
+        peer = self._peers.get(ident)
+        if peer is not None:
+            self._disconnect(ident, peer, "key_revoked")
+
+    def _disconnect(self, ident: bytes, peer: Peer, reason: str) -> None:
+        """Forget a client and shut its connection (ROUTER has no call for that: the
+        descriptor the message came from is shut down, if it still is that peer's)."""
+        self.disconnected += 1
+        self._banned[ident] = time.monotonic()
+        self._forget(ident, f"its connection was shut ({reason})", reason)
+        if peer.fd is not None and _same_peer(peer.fd, peer.caller):
+            with contextlib.suppress(OSError):
+                dup = socket.socket(fileno=os.dup(peer.fd))
+                try:
+                    dup.shutdown(socket.SHUT_RDWR)
+                finally:
+                    dup.close()
+        log.warning("client_disconnected", owner=peer.caller.owner, reason=reason)
+
+    async def _fd_guard(self) -> None:
+        """Stop listening before descriptors run out; listen again once they are back."""
+        high = min(self.cfg.max_connections, self._fd_limit * 3 // 4)
+        low = high * 3 // 4
+        while True:
+            await anyio.sleep(_FD_CHECK_SECONDS)
+            if self._sock is None or self._bound is None:
+                continue
+            n = open_fds()
+            if self.listening and n >= high:
+                self._sock.unbind(self._bound)
+                self.listening = False
+                log.warning("listening_paused", open_fds=n, limit=high, fd_limit=self._fd_limit)
+            elif not self.listening and n < low:
+                path = ipc_path(self.endpoint)
+                try:
+                    if path is not None:
+                        prepare_ipc(path)
+                    self._sock.bind(self._bound)
+                except (OSError, zmq.ZMQError, EndpointInUse) as exc:
+                    log.error("listening_resume_failed", error=str(exc))
+                    continue
+                if path is not None:
+                    os.chmod(path, 0o660)
+                self.listening = True
+                log.warning("listening_resumed", open_fds=n)
 
     # -- liveness and log subscriptions ----------------------------------------------
     async def _reap_loop(self) -> None:
         while True:
             await anyio.sleep(self.cfg.heartbeat_interval)
             now = time.monotonic()
-            for ident, seen in list(self._clients.items()):
-                silent = now - seen
+            for ident, peer in list(self._peers.items()):
+                silent = now - peer.seen
                 if silent <= self.cfg.client_timeout:
                     continue
                 self._forget(
                     ident, f"its client stopped heartbeating ({silent:.1f} s silent)", "client_gone"
                 )
-            # Rejection tallies only rate-limit logging; forget senders that are gone.
-            for ident in [i for i in self._rejects if i not in self._clients]:
-                del self._rejects[ident]
+            # A shut connection's identity is not reused; forget it after a while.
+            for ident in [i for i, t in self._banned.items() if now - t > 60.0]:
+                del self._banned[ident]
             if self.scheduler is not None:
                 self.scheduler.prune_retained()
 
     def _forget(self, ident: bytes, why: str, reason: str) -> None:
-        self._clients.pop(ident, None)
-        self._rejects.pop(ident, None)
+        self._peers.pop(ident, None)
         self._unsubscribe_logs(ident)
         if self.scheduler is None:  # still loading: no jobs yet
             return
         cancelled = self.scheduler.client_gone(ident, why, reason)
         log.info(reason, client=ident.hex(), why=why, cancelled_jobs=cancelled)
 
-    def _subscribe_logs(self, ident: bytes, level: str, job_id: str | None) -> None:
+    def _subscribe_logs(self, ident: bytes, caller: Caller, level: str, job_id: str | None) -> None:
+        visible: Callable[[dict[str, Any]], bool] | None = None
+        if not caller.operator:
+            sched = self.scheduler
+            if job_id is not None:
+                if sched is None:
+                    raise NotReady("kvmuxd is still loading its model; it has no jobs yet")
+                sched.find(job_id, caller)  # not_found unless the caller owns it
+            # Only events of the caller's own jobs: the rest of the log names
+            # other people's jobs, clients and prompts' sizes.
+            owner = caller.owner
+
+            def visible(event: dict[str, Any]) -> bool:
+                job = event.get("job_id")
+                return sched is not None and isinstance(job, str) and sched.owner_of(job) == owner
+
         self._unsubscribe_logs(ident)
-        sub = hub.subscribe(min_level=level, job_id=job_id)
+        sub = hub.subscribe(min_level=level, job_id=job_id, visible=visible)
         scope = anyio.CancelScope()
         self._log_subs[ident] = (sub, scope)
         assert self._tg is not None
@@ -337,11 +647,38 @@ class Server:
                     self.send(ident, p.LogEvents(records=records, dropped=sub.dropped))
 
 
+def _property(frame: zmq.Frame, name: str) -> str | None:
+    """A connection property of a received message (None where libzmq has none)."""
+    try:
+        return str(frame.get(name))
+    except zmq.ZMQError:
+        return None
+
+
+def _same_peer(fd: int, caller: Caller) -> bool:
+    """Whether descriptor ``fd`` is still a connection of ``caller`` (not reused since)."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if dup.family == socket.AF_UNIX:
+            creds = dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _pid, uid, _gid = struct.unpack("3i", creds)
+            return caller.owner in (f"uid:{uid}", ANONYMOUS)
+        dup.getpeername()  # a connected socket; CURVE/anonymous carry no finer identity
+        return True
+    except OSError:
+        return False
+    finally:
+        dup.close()
+
+
 def _salvage_id(data: bytes) -> int | None:
     """The ``id`` of a request that failed validation, if one can be read, to echo it."""
     try:
         obj = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except Exception:  # noqa: BLE001 - DecodeError, RecursionError: there is no id to echo
         return None
     rid = obj.get("id") if isinstance(obj, dict) else None
     if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63:

@@ -77,6 +77,7 @@ async def results(args: argparse.Namespace) -> int:
         client = await open_client(args.endpoint, args.timeout)
         try:
             job = await client.attach(args.job_id)
+            await job.fetch_results()  # what finished before the attach
             reporter.start(job.job_id, job.total)
             try:
                 await _collect(job, reporter, writer, None)
@@ -122,7 +123,7 @@ async def _collect(
             label = failure_label(result.custom_id, result.error, line=line, index=result.index)
         reporter.item(result.status == "ok", label)
 
-    # Results that finished before an attach came with its reply.
+    # Results that finished before an attach (fetched after it) or were already routed.
     for index in sorted(job.results_by_index):
         record(job.results_by_index[index])
     try:

@@ -94,7 +94,7 @@ def _failures(growth: p.GrowthStats) -> str:
     if not growth.failures:
         return "none"
     causes = ", ".join(f"{cause}: {n}" for cause, n in sorted(growth.failures.items()))
-    return f"{causes}; {growth.parked_retries} parked retries"
+    return f"{causes}; {growth.parked_retries} parked retries; {growth.preemptions} preemptions"
 
 
 def _device(st: p.DaemonStatus) -> str:

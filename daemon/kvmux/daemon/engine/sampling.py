@@ -58,19 +58,25 @@ class ResolvedSampling:
     ignore_eos: bool
 
 
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this decode greedily (see :func:`resolve_sampling`)."""
+
+
 def resolve_sampling(params: SamplingParams, search: SearchDefaults) -> ResolvedSampling:
     """Model-declared ``search`` values are canonical; kvmux constants only fill gaps.
 
     An item's explicit ``temperature`` > 0 asks for sampling even when the model
-    declares ``do_sample: false``; ``temperature=0`` is always greedy.
+    declares ``do_sample: false``; a temperature below :data:`MIN_TEMPERATURE`
+    (0 included) is greedy: dividing logits by it would overflow to inf and
+    give NaN probabilities, and argmax is what such a temperature means.
     """
     params.validate()
     if params.temperature is not None:
         temperature = params.temperature
-        greedy = temperature == 0.0
+        greedy = temperature < MIN_TEMPERATURE
     else:
         temperature = search.temperature
-        greedy = not search.do_sample or temperature <= 0.0
+        greedy = not search.do_sample or temperature < MIN_TEMPERATURE
     top_k = search.top_k if params.top_k is None else params.top_k
     top_p = search.top_p if params.top_p is None else params.top_p
     max_new = params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -88,7 +89,11 @@ class Tokenizer:
         Uses the tokenizer's own post-processor when it adds the BOS (Llama-style
         tokenizer.json files do), else prepends ``bos_token_id``.
         """
-        ids: list[int] = list(self._tok.encode(text, add_special_tokens=add_bos).ids)
+        # encode_batch releases the GIL while it runs (encode does not): a long
+        # prompt tokenized on a side thread then stalls neither the event loop
+        # nor the model thread.
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_bos)
+        ids: list[int] = list(encoding.ids)
         if add_bos:
             if self.bos_token_id is None:
                 raise ValueError(f"{self.path}: add_bos requested but no bos_token_id is known")
@@ -98,6 +103,26 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @functools.cached_property
+    def text_bytes_per_token(self) -> int:
+        """The most bytes of input text one token can stand for, so a text of B bytes
+        has at least B / this many tokens: a byte limit then refuses an oversized
+        prompt before it is tokenized.
+
+        A byte-level tokenizer without a normalizer maps text bytes to tokens
+        one to one, so its longest token's bytes are exact; otherwise (say NFKC,
+        or SentencePiece's "▁" for a space) a normalizer may shrink the text
+        first, and a factor 4 leaves room for that."""
+        longest = 1
+        for token_id in range(self.vocab_size):
+            raw = self.token_bytes(token_id)
+            if raw is None:
+                piece = self._tok.id_to_token(token_id)
+                raw = str(piece).encode("utf-8") if piece is not None else b""
+            longest = max(longest, len(raw))
+        exact = self.byte_level and self._tok.normalizer is None
+        return longest if exact else 4 * longest
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The raw bytes of one token of a byte-level tokenizer (None: not byte-level)."""
