@@ -62,6 +62,8 @@ def _toml_value(value: object) -> str:
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value)  # a TOML basic string for what configs hold
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as a TOML config value")
 
 
@@ -80,6 +82,12 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _limit_nofile(n: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
 @dataclass
@@ -130,15 +138,19 @@ async def kvmuxd(
     env: Mapping[str, str] | None = None,
     python: str = sys.executable,
     startup_timeout: float = 120.0,
+    nofile: int | None = None,
+    endpoint: str | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``python -m kvmux.daemon --config FILE`` on an ipc socket until the block ends.
 
     ``tables`` override the config (``{"scheduler": {"max_active_sessions": 64}}``);
-    logs are JSON lines in ``DaemonProcess.log_path``. Yields once a client can
-    connect; on exit sends SIGTERM and waits (SIGKILL after 30 s).
+    logs are JSON lines in ``DaemonProcess.log_path``. ``nofile`` sets the
+    process's descriptor limit (soft and hard); ``endpoint`` replaces the ipc
+    socket in a temporary folder. Yields once a client can connect; on exit
+    sends SIGTERM and waits (SIGKILL after 30 s).
     """
     folder = Path(tempfile.mkdtemp(prefix="kvxb-", dir="/tmp"))  # ipc paths must be short
-    endpoint = f"ipc://{folder}/kvmuxd.sock"
+    endpoint = endpoint or f"ipc://{folder}/kvmuxd.sock"
     config: dict[str, dict[str, object]] = {
         "model": {"path": str(model), "intra_op_threads": threads},
         "server": {"endpoint": endpoint},
@@ -155,6 +167,7 @@ async def kvmuxd(
             stdout=out,
             stderr=err,
             env={**os.environ, **(env or {})},
+            preexec_fn=None if nofile is None else lambda: _limit_nofile(nofile),
         )
     daemon = DaemonProcess(proc, endpoint, folder, config)
     try:

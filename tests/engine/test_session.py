@@ -185,3 +185,13 @@ def test_cuda_request_without_cuda_reports_the_fallback(tiny_model: Path) -> Non
     with pytest.warns(UserWarning, match="CUDAExecutionProvider"):
         s = create_session(load_model(tiny_model).model_path, provider="cuda")
     assert s.fell_back and "CUDAExecutionProvider" not in s.providers
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-6])
+def test_a_temperature_below_the_floor_decodes_greedily(engine: Engine, temperature: float) -> None:
+    # Dividing logits by such a temperature overflows to inf: NaN probabilities
+    # would pick the last vocabulary id every time. It means argmax, so it is.
+    greedy = engine.generate("abc", SamplingParams(max_new_tokens=20, temperature=0.0))
+    tiny = engine.generate("abc", SamplingParams(max_new_tokens=20, temperature=temperature))
+    assert tiny.token_ids == greedy.token_ids
+    assert len(set(tiny.token_ids)) > 1  # not one id repeated (the NaN symptom)

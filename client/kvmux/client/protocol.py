@@ -263,6 +263,13 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     sessions: list[SessionInfo]
     caller: str = ""
     caller_is_operator: bool = False
+    # What hostile or careless clients cost: malformed frames answered, dropped
+    # unanswered, connections shut for garbage, replies dropped for clients
+    # that do not read.
+    frames_rejected: int = 0
+    frames_dropped: int = 0
+    clients_disconnected: int = 0
+    replies_dropped: int = 0
 
 
 class _Reply(msgspec.Struct, frozen=True, tag_field="kind"):

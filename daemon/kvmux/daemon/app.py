@@ -24,7 +24,7 @@ import structlog
 from kvmux.client import protocol as p
 from kvmux.client.endpoint import daemon_default_endpoint
 from kvmux.client.errors import ShuttingDown
-from kvmux.kv import MemoryBudget, format_bytes, resolve_min_bucket
+from kvmux.kv import MemoryBudget, failpoints, format_bytes, resolve_min_bucket
 
 from .access import OPERATOR, Caller
 from .config import Config
@@ -75,6 +75,7 @@ class Daemon:
     def _load_engine(self) -> Engine:
         cfg = self.config
         resolve_min_bucket(cfg.kv.min_bucket)  # a bad KVMUX_KV_MIN_BUCKET fails here, at start
+        failpoints.slow_from_env()  # every failpoint is registered by now
         if cfg.model.path:
             folder = Path(cfg.model.path)
         else:
@@ -249,4 +250,8 @@ class Daemon:
             sessions=scheduler.sessions(caller) if scheduler is not None else [],
             caller=caller.owner,
             caller_is_operator=caller.operator,
+            frames_rejected=self.server.rejected if self.server else 0,
+            frames_dropped=self.server.dropped_frames if self.server else 0,
+            clients_disconnected=self.server.disconnected if self.server else 0,
+            replies_dropped=self.server.lost_replies if self.server else 0,
         )

@@ -98,7 +98,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # messages are dropped (results stay fetchable).
     max_client_buffer_bytes: Annotated[int, msgspec.Meta(ge=65536)] = 8 * 1024 * 1024
     # The daemon stops accepting connections while its open file descriptors
-    # reach this (or 3/4 of its descriptor limit, whichever is lower), and
+    # reach this (or half its descriptor limit, whichever is lower), and
     # accepts again below 3/4 of it: running out would make libzmq abort.
     max_connections: PositiveInt = 4096
     # A connection that has not finished the ZeroMQ handshake by then is closed.

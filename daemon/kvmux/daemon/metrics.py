@@ -85,9 +85,21 @@ class _DaemonCollector(Collector):
             return family
 
         requests = CounterMetricFamily("kvmux_requests", "Requests received", labels=["outcome"])
-        requests.add_metric(["accepted"], server.requests - server.rejected)
+        bad = server.rejected + server.dropped_frames
+        requests.add_metric(["accepted"], server.requests - bad)
         requests.add_metric(["rejected"], server.rejected)
+        requests.add_metric(["dropped"], server.dropped_frames)
         yield requests
+        yield counter(
+            "kvmux_clients_disconnected",
+            "Connections shut for sending garbage past their budget",
+            server.disconnected,
+        )
+        yield counter(
+            "kvmux_replies_dropped",
+            "Replies dropped for clients that do not read",
+            server.lost_replies,
+        )
         items = CounterMetricFamily("kvmux_items_finished", "Items finished", labels=["status"])
         for status, count in sorted(sched.finished_by_code.items()):
             items.add_metric([status], count)

@@ -59,6 +59,7 @@ from kvmux.kv import (
     GrowthResult,
     capacity_bucket,
     ensure_capacity,
+    failpoints,
     resolve_min_bucket,
 )
 
@@ -71,6 +72,7 @@ from .metrics import Metrics
 from .worker import EngineWorker
 
 log = structlog.get_logger("kvmux.scheduler")
+failpoints.register("scheduler.admit")
 
 # One worker call runs decode steps until about this much model time (at most
 # _MAX_STEPS_PER_CALL steps): the two thread handoffs around it then cost a few %.
@@ -283,6 +285,7 @@ class Scheduler:
         return job
 
     def _admit_all(self, items: list[Item]) -> list[Admission | Exception]:
+        failpoints.hit("scheduler.admit")  # tests slow it to hold a submit's check open
         return [self._admit(item) for item in items]
 
     def _admit(self, item: Item) -> Admission | Exception:

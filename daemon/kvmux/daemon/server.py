@@ -49,7 +49,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvmux.client import protocol as p
 from kvmux.client.endpoint import ipc_path
-from kvmux.client.errors import BadRequest, NotReady, Unauthorized, VersionMismatch
+from kvmux.client.errors import BadRequest, KvmuxError, NotReady, Unauthorized, VersionMismatch
 
 from .access import ANONYMOUS, Caller, curve_caller, ipc_caller
 from .config import ConfigError, ServerConfig
@@ -353,12 +353,13 @@ class Server:
 
     async def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
+        self.requests += 1
         if ident in self._banned:
             self.dropped_frames += 1
             return
         caller = self._caller(frames[0])
         if caller is None:
-            self._refuse_key(ident)
+            self._refuse_key(ident, frames)
             return
         if len(frames) != 2:
             self._bad_frame(
@@ -366,7 +367,6 @@ class Server:
             )
             return
         data = frames[1].bytes
-        self.requests += 1
         try:
             req = p.decode_request(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, and RecursionError on deep nesting
@@ -495,9 +495,16 @@ class Server:
 
     # -- hostile input ---------------------------------------------------------------
     def _bad_frame(
-        self, ident: bytes, frame: zmq.Frame, caller: Caller, rid: int | None, why: str
+        self,
+        ident: bytes,
+        frame: zmq.Frame,
+        caller: Caller,
+        rid: int | None,
+        why: str,
+        error: KvmuxError | None = None,
     ) -> None:
-        """Reply while the sender's budget lasts, then drop, then disconnect."""
+        """Reply (``bad_request``, or ``error``) while the sender's budget lasts, then
+        drop, then disconnect."""
         self.rejected += 1
         peer = self._touch(ident, frame, caller)
         peer.rejected += 1
@@ -512,31 +519,29 @@ class Server:
             log.warning(
                 "request_rejected", owner=caller.owner, reason=why[:300], count=peer.rejected
             )
+        if peer.allowance >= cfg.bad_frame_burst:
+            peer.drops = 0  # calm for long enough to have earned its whole budget back
         if peer.allowance >= 1.0:
             peer.allowance -= 1.0
-            peer.drops = 0
-            self.send(ident, p.ErrorReply(id=rid, error=BadRequest(why).to_info()))
+            self.send(ident, p.ErrorReply(id=rid, error=(error or BadRequest(why)).to_info()))
             return
         peer.drops += 1
         self.dropped_frames += 1
         if peer.drops > cfg.bad_frame_burst:
             self._disconnect(ident, peer, "bad_frames")
 
-    def _refuse_key(self, ident: bytes) -> None:
-        """A CURVE key removed from the authorized folder: answer once, then shut it out."""
-        self.send(
-            ident,
-            p.ErrorReply(
-                id=None,
-                error=Unauthorized(
-                    "this client's key is no longer authorized on this daemon "
-                    "(removed from server.curve_authorized_keys)"
-                ).to_info(),
-            ),
+    def _refuse_key(self, ident: bytes, frames: list[zmq.Frame]) -> None:
+        """A CURVE key removed from the authorized folder: forget what it had (its jobs
+        not detached are cancelled), and answer each message ``unauthorized`` within
+        the same budget as garbage."""
+        if ident in self._peers:
+            self._forget(ident, "its key was removed from the authorized keys", "key_revoked")
+        rid = _salvage_id(frames[1].bytes) if len(frames) == 2 else None
+        refusal = Unauthorized(
+            "this client's key is no longer authorized on this daemon "
+            "(removed from server.curve_authorized_keys)"
         )
-        peer = self._peers.get(ident)
-        if peer is not None:
-            self._disconnect(ident, peer, "key_revoked")
+        self._bad_frame(ident, frames[0], Caller("revoked"), rid, str(refusal), refusal)
 
     def _disconnect(self, ident: bytes, peer: Peer, reason: str) -> None:
         """Forget a client and shut its connection (ROUTER has no call for that: the
@@ -555,7 +560,9 @@ class Server:
 
     async def _fd_guard(self) -> None:
         """Stop listening before descriptors run out; listen again once they are back."""
-        high = min(self.cfg.max_connections, self._fd_limit * 3 // 4)
+        # Half the limit: libzmq keeps accepting between two checks, and a tight
+        # loop of connects gets hundreds in that time.
+        high = min(self.cfg.max_connections, self._fd_limit // 2)
         low = high * 3 // 4
         while True:
             await anyio.sleep(_FD_CHECK_SECONDS)

@@ -123,6 +123,29 @@ def parse_spec(spec: str) -> dict[str, int]:
     return parsed
 
 
+SLOW_ENV = "KVMUX_SLOW_FAILPOINTS"
+
+
+def slow_from_env() -> dict[str, float]:
+    """Slow what ``KVMUX_SLOW_FAILPOINTS`` names (``"scheduler.admit=2.5"``: seconds per
+    hit), so a test can hold a race open in a process it starts. Called by the
+    daemon once every failpoint is registered; a bad spec is an error."""
+    parsed: dict[str, float] = {}
+    for part in (p.strip() for p in os.environ.get(SLOW_ENV, "").split(",")):
+        if not part:
+            continue
+        name, _, seconds = part.partition("=")
+        try:
+            delay = float(seconds)
+        except ValueError:
+            raise KvConfigError(
+                f"{SLOW_ENV}: {name.strip()} needs a delay in seconds, got {seconds!r}"
+            ) from None
+        slow(name.strip(), delay)  # unknown names and bad delays raise
+        parsed[name.strip()] = delay
+    return parsed
+
+
 def arm_from_env() -> dict[str, int]:
     """Arm what ``KVMUX_FAILPOINTS`` names; an invalid spec is an error, not ignored."""
     spec = os.environ.get(ENV, "")
