@@ -53,6 +53,11 @@ def overview(st: p.DaemonStatus, endpoint: str) -> Table:
         ("model", f"{st.model} ({st.provider})"),
         ("version", f"{st.version}, pid {st.pid}, up {_duration(st.uptime_seconds)}"),
         ("clients", str(st.clients)),
+        (
+            "you",
+            f"{st.caller or '?'}"
+            + (" (operator: every job)" if st.caller_is_operator else " (your jobs only)"),
+        ),
         ("jobs", f"{st.jobs_active} active, {st.jobs_retained} retained"),
         (
             "sessions",
