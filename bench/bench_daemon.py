@@ -156,6 +156,8 @@ async def kvmuxd(
         "server": {"endpoint": endpoint},
         "log": {"format": "json", "level": "info"},
         "shutdown": {"grace": 5.0},
+        # In the run's folder, so it goes with it (tables may point elsewhere).
+        "jobs": {"journal": str(folder / "jobs.sqlite3")},
     }
     for table, values in (tables or {}).items():
         config.setdefault(table, {}).update(values)

@@ -30,6 +30,21 @@ def _no_leftover_failpoints() -> Iterator[None]:
     failpoints.disarm()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Daemons started without an explicit jobs.journal keep it under $XDG_STATE_HOME:
+    a folder of this test run's, not the home directory of whoever runs the tests."""
+    import os
+
+    saved = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if saved is None:
+        del os.environ["XDG_STATE_HOME"]
+    else:
+        os.environ["XDG_STATE_HOME"] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in tiny model, built once per test run."""

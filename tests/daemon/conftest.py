@@ -55,6 +55,8 @@ def make_config(model: Path, sock_dir: Path, **tables: dict[str, Any]) -> Config
         "kv": {"min_bucket": 4},
         "scheduler": {"prefill_chunk": PREFILL_CHUNK},
         "shutdown": {"grace": 1.0},
+        # Memory-only unless a test is about the journal: tests stay independent.
+        "jobs": {"journal": ""},
     }
     for name, values in tables.items():
         base.setdefault(name, {}).update(values)

@@ -146,7 +146,8 @@ async def test_sigterm_drains_then_ends_the_rest_with_shutdown(
         tmp_path / "k.toml",
         tiny_model,
         endpoint,
-        "[shutdown]\ngrace = 1.0\n[scheduler]\nmax_active_sessions = 3\n",
+        # Memory-only: with a journal, unfinished items wait for the restart instead.
+        '[shutdown]\ngrace = 1.0\n[scheduler]\nmax_active_sessions = 3\n[jobs]\njournal = ""\n',
     )
     quick = [Item(custom_id=f"quick-{i}", prompt="q", max_new_tokens=8) for i in range(2)]
     slow = [

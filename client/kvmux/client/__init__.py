@@ -18,10 +18,12 @@ from .errors import (
     Overloaded,
     RunFailed,
     ShuttingDown,
+    StorageFull,
     Unauthorized,
     VersionMismatch,
     error_from_info,
 )
+from .follow import results_through_restarts
 from .protocol import PROTOCOL_VERSION, DaemonStatus, Event, Item, ItemResult
 
 __all__ = [
@@ -45,9 +47,11 @@ __all__ = [
     "Overloaded",
     "RunFailed",
     "ShuttingDown",
+    "StorageFull",
     "Unauthorized",
     "VersionMismatch",
     "client_default_endpoint",
     "daemon_default_endpoint",
     "error_from_info",
+    "results_through_restarts",
 ]

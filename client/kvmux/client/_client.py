@@ -221,6 +221,12 @@ class Client:
         assert isinstance(reply, p.ResultsPage)
         return reply
 
+    async def jobs(self) -> list[p.JobInfo]:
+        """This caller's jobs (every job for an operator), running and retained."""
+        reply = await self._request(p.ListJobs(id=0))
+        assert isinstance(reply, p.JobList)
+        return reply.jobs
+
     async def cancel(self, job_id: str) -> None:
         await self._request(p.Cancel(id=0, job_id=job_id))
 
@@ -307,6 +313,13 @@ class Client:
                             # holds the results; a long-lived client stays small.
                             del self._jobs[ev.job_id]
                 return
+            case p.Ack(instance=instance) if (
+                instance and self.welcome is not None and instance != self.welcome.instance
+            ):
+                # ZeroMQ reconnected this socket to another run of the daemon: what
+                # this connection was attached to is gone with the old one.
+                self._lost = self._unreachable("it restarted: another run of kvmuxd answers now")
+                self._fail_all(self._lost)
             case p.LogEvents():
                 if self._logs is not None:
                     self._logs.put_nowait(reply)

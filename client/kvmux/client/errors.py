@@ -82,6 +82,12 @@ class VersionMismatch(KvmuxError):
     code = "version_mismatch"
 
 
+class StorageFull(KvmuxError):
+    """The daemon cannot write its job journal (disk full): new jobs are refused for now."""
+
+    code = "storage_full"
+
+
 class Unauthorized(KvmuxError):
     """The daemon no longer admits this client's key (removed from its authorized keys)."""
 
@@ -114,6 +120,7 @@ _BY_CODE: dict[str, type[KvmuxError]] = {
         RunFailed,
         VersionMismatch,
         Unauthorized,
+        StorageFull,
         Internal,
         DaemonUnreachable,
     )

@@ -94,6 +94,10 @@ class Results(_Request, tag="results", frozen=True):
     start: Annotated[int, Meta(ge=0, lt=2**31)] = 0
 
 
+class ListJobs(_Request, tag="jobs", frozen=True):
+    """The caller's jobs, running and retained (every job for an operator)."""
+
+
 class Detach(_Request, tag="detach", frozen=True):
     """Keep a job running (and its results retained) after this client disconnects."""
 
@@ -129,6 +133,7 @@ Request = (
     | Cancel
     | Attach
     | Results
+    | ListJobs
     | Detach
     | Status
     | SubscribeLogs
@@ -272,6 +277,20 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     replies_dropped: int = 0
 
 
+class JobInfo(msgspec.Struct, frozen=True):
+    """One job as ``kvmux jobs`` lists it."""
+
+    job_id: str
+    name: str
+    owner: str
+    state: Literal["running", "done"]
+    total: int
+    ok: int
+    failed: int
+    detached: bool
+    age_seconds: float
+
+
 class _Reply(msgspec.Struct, frozen=True, tag_field="kind"):
     pass
 
@@ -286,6 +305,9 @@ class Welcome(_Reply, tag="welcome", frozen=True):
     heartbeat_interval: float
     max_message_bytes: int
     max_job_items: int
+    # Which run of the daemon answers: ZeroMQ reconnects to a restarted daemon
+    # by itself, so heartbeat acks carry it too, and a client notices the change.
+    instance: str = ""
 
 
 class Accepted(_Reply, tag="accepted", frozen=True):
@@ -319,10 +341,18 @@ class ResultsPage(_Reply, tag="results", frozen=True):
     next: int | None
 
 
-class Ack(_Reply, tag="ack", frozen=True):
-    """A request that returns nothing else succeeded."""
+class JobList(_Reply, tag="jobs", frozen=True):
+    """The answer to :class:`ListJobs`, oldest first."""
 
     id: int
+    jobs: list[JobInfo]
+
+
+class Ack(_Reply, tag="ack", frozen=True):
+    """A request that returns nothing else succeeded (a heartbeat's names the instance)."""
+
+    id: int
+    instance: str = ""
 
 
 class StatusReply(_Reply, tag="status", frozen=True):
@@ -357,6 +387,7 @@ Reply = (
     | Accepted
     | Attached
     | ResultsPage
+    | JobList
     | Ack
     | StatusReply
     | ErrorReply

@@ -1,7 +1,8 @@
 """``kvmuxd --config FILE``: run the daemon until SIGTERM/SIGINT (``python -m kvmux.daemon``).
 
 Exit status: 0 after a stop, 78 (EX_CONFIG) for a configuration the daemon
-cannot start with (invalid config, model folder, KV setting), 1 otherwise.
+cannot start with (invalid config, model folder, KV setting, a job journal
+that is corrupt, locked by another daemon or unwritable), 1 otherwise.
 The first SIGTERM/SIGINT drains (``shutdown.grace``); a second one stops at
 once. SIGHUP reopens the log file, for logrotate, and re-reads the CURVE
 authorized keys.
@@ -22,6 +23,7 @@ from kvmux.kv import KvConfigError
 from .app import Daemon
 from .config import EX_CONFIG, Config, ConfigError, load_config, with_endpoint
 from .engine import EngineError
+from .journal import JournalError
 from .logs import close_log_file, configure_logging, reopen_log_file
 from .model import ModelFormatError
 from .server import EndpointInUse
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         err = _leaf(group)
         if isinstance(err, KeyboardInterrupt):
             return 0
-        if isinstance(err, ModelFormatError | KvConfigError | ConfigError):
+        if isinstance(err, ModelFormatError | KvConfigError | ConfigError | JournalError):
             log.error("startup_failed", error=str(err), kind="config")
             return EX_CONFIG
         if isinstance(err, EngineError | EndpointInUse | OSError):

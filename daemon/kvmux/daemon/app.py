@@ -12,6 +12,7 @@ no new jobs, active items get ``shutdown.grace`` seconds, the rest end with a
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -30,6 +31,7 @@ from .access import OPERATOR, Caller
 from .config import Config
 from .coordinator import GrowthCoordinator
 from .engine import Engine, EngineOptions
+from .journal import Journal, default_journal_path
 from .metrics import Metrics
 from .model import resolve_model
 from .notify import Notifier
@@ -70,6 +72,8 @@ class Daemon:
         self.scheduler: Scheduler | None = None
         self.server: Server | None = None
         self.model_name = config.model.path or config.model.name
+        self.journal: Journal | None = None
+        self.instance = secrets.token_hex(8)
 
     # -- lifecycle ---------------------------------------------------------------
     def _load_engine(self) -> Engine:
@@ -102,6 +106,7 @@ class Daemon:
             # at once, and clients see "loading" rather than "unreachable" while
             # a large model loads (jobs are answered not_ready until then).
             server.bind()
+            self.journal = self._open_journal()
             self.metrics.attach(self)
             async with anyio.create_task_group() as tg:
                 await tg.start(server.serve)
@@ -118,6 +123,18 @@ class Daemon:
                     server.deliver,
                 )
                 scheduler.metrics = self.metrics
+                if self.journal is not None:
+                    scheduler.journal = self.journal
+                    started = time.perf_counter()
+                    replayed = await scheduler.restore(
+                        await anyio.to_thread.run_sync(self.journal.load)
+                    )
+                    self.metrics.replayed_items.inc(replayed)
+                    log.info(
+                        "journal_restored",
+                        items_queued_again=replayed,
+                        seconds=round(time.perf_counter() - started, 3),
+                    )
                 await tg.start(scheduler.run)
                 self.scheduler = server.scheduler = scheduler
                 if self.config.metrics.listen:
@@ -139,6 +156,8 @@ class Daemon:
                 await self._drain()
                 tg.cancel_scope.cancel()
         finally:
+            if self.journal is not None:
+                self.journal.close()  # commits what is queued: finished results are kept
             self.metrics.close()
             self.worker.close()
             self.notifier.close()
@@ -164,6 +183,25 @@ class Daemon:
             f"{c['sessions_parked']} parked; KV {format_bytes(self.engine.budget.used)} in use"
         )
 
+    def _open_journal(self) -> Journal | None:
+        path = self.config.jobs.journal
+        if path == "":
+            log.warning(
+                "journal_off",
+                why='jobs.journal = "": jobs live in memory only and are lost when kvmuxd stops',
+            )
+            return None
+        file = Path(path) if path else default_journal_path(self.endpoint)
+        journal = Journal(file, sync=self.config.jobs.journal_sync)
+        journal.on_commit = self.metrics.journal_write.observe
+        log.info(
+            "journal_opened",
+            path=str(file),
+            sync=self.config.jobs.journal_sync,
+            bytes=journal.size(),
+        )
+        return journal
+
     def reload(self) -> None:
         """SIGHUP: re-read what can change without a restart (CURVE authorized keys)."""
         if self.server is not None:
@@ -184,7 +222,13 @@ class Daemon:
         with anyio.move_on_after(grace):
             while not scheduler.idle:
                 await anyio.sleep(0.05)
-        if not scheduler.idle:
+        if not scheduler.idle and self.journal is not None:
+            # Nothing is failed: what did not finish stays in the journal and
+            # runs when kvmuxd is back; clients wait for it and re-attach.
+            log.warning(
+                "daemon_stopping_with_work", journal=str(self.journal.path), **scheduler.counts()
+            )
+        elif not scheduler.idle:
             scheduler.cancel_all(
                 ShuttingDown(
                     f"kvmuxd shut down before this item finished (shutdown.grace {grace:g} s)",
@@ -207,6 +251,7 @@ class Daemon:
             heartbeat_interval=cfg.server.heartbeat_interval,
             max_message_bytes=cfg.server.max_message_bytes,
             max_job_items=cfg.scheduler.max_job_items,
+            instance=self.instance,
         )
 
     def status(self, caller: Caller = OPERATOR) -> p.DaemonStatus:

@@ -136,6 +136,11 @@ class JobsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     retention: PositiveFloat = 3600.0
     max_retained: PositiveInt = 1000
     max_retained_tokens: PositiveInt = 2_000_000
+    # The SQLite job journal: absent = a per-user file under $XDG_STATE_HOME,
+    # "" = memory only (jobs die with the daemon).
+    journal: str | None = None
+    journal_sync: Literal["normal", "full"] = "normal"
+    max_journal_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 1 << 30
 
 
 class LogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

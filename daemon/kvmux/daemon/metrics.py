@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -42,6 +42,17 @@ class Metrics:
             "kvmux_time_per_output_token_seconds",
             "Per item: decode time after the first token / (tokens - 1)",
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.journal_write = Histogram(
+            "kvmux_journal_commit_seconds",
+            "Time one job-journal transaction took to commit (a turn's writes together)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.replayed_items = Counter(
+            "kvmux_journal_replayed_items",
+            "Unfinished items queued again from the journal at start",
             registry=self.registry,
         )
         self._server: Any = None
@@ -95,6 +106,8 @@ class _DaemonCollector(Collector):
             "Connections shut for sending garbage past their budget",
             server.disconnected,
         )
+        if d.journal is not None:
+            yield gauge("kvmux_journal_bytes", "Job journal size on disk", d.journal.size())
         yield counter(
             "kvmux_replies_dropped",
             "Replies dropped for clients that do not read",

@@ -26,6 +26,7 @@ seed, so the replay produces the very same tokens).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
@@ -40,7 +41,14 @@ import anyio.to_thread
 import msgspec
 import structlog
 
-from kvmux.client.errors import BadRequest, Cancelled, NotFound, Overloaded, ShuttingDown
+from kvmux.client.errors import (
+    BadRequest,
+    Cancelled,
+    NotFound,
+    Overloaded,
+    ShuttingDown,
+    StorageFull,
+)
 from kvmux.client.protocol import (
     ErrorInfo,
     Event,
@@ -49,6 +57,7 @@ from kvmux.client.protocol import (
     ItemResult,
     ItemStarted,
     JobFinished,
+    JobInfo,
     SessionInfo,
     Submit,
     TokenDelta,
@@ -68,6 +77,7 @@ from .config import JobsConfig, SchedulerConfig, owner_queue_share
 from .coordinator import GrowthCoordinator
 from .engine import Admission, DecodeSession, Engine, SamplingParams, StepOutput
 from .errors import error_info
+from .journal import Journal, JournaledJob, JournalFull
 from .metrics import Metrics
 from .worker import EngineWorker
 
@@ -130,6 +140,7 @@ class JobState:
     ok: int = 0
     failed: int = 0
     tokens: int = 0  # generated tokens its results hold
+    journal_bytes: int = 0  # what its items and results take in the journal (about)
 
     @property
     def done(self) -> bool:
@@ -192,6 +203,8 @@ class Scheduler:
         self.tokens_generated = 0
         self.finished_by_code: Counter[str] = Counter()  # "ok" or the error code
         self.metrics: Metrics | None = None
+        self.journal: Journal | None = None
+        self._journal_total = 0
 
     # -- what the server calls --------------------------------------------------
     async def submit(
@@ -256,33 +269,107 @@ class Scheduler:
             name=msg.name,
             owner=owner,
         )
-        self._jobs[job.job_id] = job
-        queue: deque[ItemState] = deque()
-        for index, (item, check) in enumerate(zip(msg.items, checks, strict=True)):
-            state = ItemState(job, index, item.custom_id)
-            job.items.append(state)
-            if isinstance(check, Admission):
-                state.admission = check
-                queue.append(state)
-            else:
-                state.failure = check
+        if self.journal is not None:
+            # Written before it is acknowledged; sampled items with the seed the
+            # daemon chose, so a replay after a crash draws the same tokens.
+            wire = [_with_seed(item, check) for item, check in zip(msg.items, checks, strict=True)]
+            job.journal_bytes = sum(len(_ENCODER.encode(item)) for item in wire)
+            try:
+                await asyncio.wrap_future(
+                    self.journal.add_job(job.job_id, owner, msg.name, msg.detach, wire)
+                )
+            except JournalFull as exc:
+                raise StorageFull(
+                    f"kvmuxd cannot write its job journal ({exc}); running items go on, new jobs "
+                    "are refused until the disk has room",
+                    {"journal": str(self.journal.path)},
+                ) from exc
+            if self.draining:
+                raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
+        self._enqueue(job, list(zip(msg.items, checks, strict=True)))
         log.info(
             "job_accepted",
             job_id=job.job_id,
             items=n,
-            queued=len(queue),
-            rejected=n - len(queue),
+            queued=sum(1 for s in job.items if s.phase == "queued" and s.failure is None),
+            rejected=sum(1 for s in job.items if s.failure is not None),
             detached=job.detached,
         )
-        if queue:
-            self._queue.setdefault(owner, OrderedDict())[job.job_id] = queue
-            self._queued += len(queue)
-            self._queued_by[owner] += len(queue)
         for state in job.items:
             if state.failure is not None:
                 self._finish(state, error=state.failure)
         self.poke()
         return job
+
+    def _enqueue(
+        self, job: JobState, items: list[tuple[Item, Admission | Exception | ItemResult]]
+    ) -> int:
+        """Register ``job`` with its items: admitted ones queued in order, refused ones
+        marked to fail, finished ones (from a journal) done. Returns how many queued."""
+        self._jobs[job.job_id] = job
+        queue: deque[ItemState] = deque()
+        for index, (item, outcome) in enumerate(items):
+            state = ItemState(job, index, item.custom_id)
+            job.items.append(state)
+            if isinstance(outcome, Admission):
+                state.admission = outcome
+                queue.append(state)
+            elif isinstance(outcome, ItemResult):
+                state.result, state.phase = outcome, "done"
+                job.tokens += len(outcome.token_ids)
+                job.journal_bytes += len(_ENCODER.encode(outcome))
+                if outcome.status == "ok":
+                    job.ok += 1
+                else:
+                    job.failed += 1
+            else:
+                state.failure = outcome
+        if queue:
+            self._queue.setdefault(job.owner, OrderedDict())[job.job_id] = queue
+            self._queued += len(queue)
+            self._queued_by[job.owner] += len(queue)
+        return len(queue)
+
+    async def restore(self, journaled: list[JournaledJob]) -> int:
+        """Take back the jobs of a journal (at start): finished results are served
+        again, unfinished items queued in their original order and decoded from the
+        start. Returns how many items were queued again."""
+        replayed = 0
+        now_wall, now_mono = time.time(), time.monotonic()
+        for record in journaled:
+            job = JobState(
+                job_id=record.job_id,
+                clients=[],
+                detached=record.detached,
+                name=record.name,
+                owner=record.owner,
+                created=now_mono - max(0.0, now_wall - record.created),
+            )
+            job.journal_bytes = sum(len(_ENCODER.encode(i)) for i in record.items)
+            pending = [item for i, item in enumerate(record.items) if i not in record.results]
+            checks = iter(
+                await anyio.to_thread.run_sync(self._admit_all, pending, limiter=self._tokenizer)
+            )
+            outcomes: list[tuple[Item, Admission | Exception | ItemResult]] = [
+                (item, record.results[i] if i in record.results else next(checks))
+                for i, item in enumerate(record.items)
+            ]
+            replayed += self._enqueue(job, outcomes)
+            for state in job.items:
+                if state.failure is not None:
+                    self._finish(state, error=state.failure)
+            self._journal_total += job.journal_bytes
+            if job.done and job.job_id in self._jobs:
+                # Finished before the restart: retained for its results, not re-announced.
+                del self._jobs[job.job_id]
+                finished = record.finished if record.finished is not None else now_wall
+                job.finished_at = now_mono - max(0.0, now_wall - finished)
+                self._retained[job.job_id] = job
+                self._retained_tokens += job.tokens
+        log.info("journal_replayed", jobs=len(journaled), items_queued=replayed)
+        self.prune_retained()
+        self.poke()
+        return replayed
 
     def _admit_all(self, items: list[Item]) -> list[Admission | Exception]:
         failpoints.hit("scheduler.admit")  # tests slow it to hold a submit's check open
@@ -350,6 +437,29 @@ class Scheduler:
                 },
             )
 
+    def list_jobs(self, caller: Caller = OPERATOR) -> list[JobInfo]:
+        """The jobs ``caller`` may see, running then retained, oldest first."""
+        now = time.monotonic()
+        out = []
+        for job in sorted(
+            [*self._jobs.values(), *self._retained.values()], key=lambda j: j.created
+        ):
+            if caller.may_see(job.owner):
+                out.append(
+                    JobInfo(
+                        job_id=job.job_id,
+                        name=job.name,
+                        owner=job.owner,
+                        state="done" if job.done else "running",
+                        total=len(job.items),
+                        ok=job.ok,
+                        failed=job.failed,
+                        detached=job.detached,
+                        age_seconds=round(now - job.created, 3),
+                    )
+                )
+        return out
+
     def owner_of(self, job_id: str) -> str | None:
         """The owner of a job this daemon holds (running or retained); None if unknown."""
         job = self._jobs.get(job_id) or self._retained.get(job_id)
@@ -379,7 +489,10 @@ class Scheduler:
         return job
 
     def detach(self, job_id: str, caller: Caller = OPERATOR) -> None:
-        self.find(job_id, caller).detached = True
+        job = self.find(job_id, caller)
+        job.detached = True
+        if self.journal is not None:
+            self.journal.set_detached(job_id)
 
     def cancel(
         self, job_id: str, reason: Exception | None = None, *, caller: Caller = OPERATOR
@@ -813,6 +926,11 @@ class Scheduler:
         state.phase = "done"
         state.admission = None
         job.tokens += len(result.token_ids)
+        if self.journal is not None:
+            self.journal.add_result(job.job_id, result)
+            size = len(_ENCODER.encode(result))
+            job.journal_bytes += size
+            self._journal_total += size
         if result.status == "ok":
             job.ok += 1
             n = len(result.token_ids)
@@ -880,6 +998,8 @@ class Scheduler:
 
     def _job_done(self, job: JobState) -> None:
         job.finished_at = time.monotonic()
+        if self.journal is not None:
+            self.journal.set_finished(job.job_id, time.time())
         self._jobs.pop(job.job_id, None)
         self._retained[job.job_id] = job
         self._retained_tokens += job.tokens
@@ -894,18 +1014,26 @@ class Scheduler:
 
     def prune_retained(self) -> None:
         """Drop the oldest finished jobs past ``jobs.retention`` seconds, beyond
-        ``jobs.max_retained`` jobs or ``jobs.max_retained_tokens`` tokens (the newest stays)."""
+        ``jobs.max_retained`` jobs, ``jobs.max_retained_tokens`` tokens or (journaled)
+        ``jobs.max_journal_bytes`` (the newest stays), from memory and the journal."""
         cfg = self.jobs_cfg
         cutoff = time.monotonic() - cfg.retention
+        dropped = []
         while self._retained:
             oldest = next(iter(self._retained.values()))
             expired = oldest.finished_at is not None and oldest.finished_at < cutoff
             too_many = len(self._retained) > cfg.max_retained
-            too_big = self._retained_tokens > cfg.max_retained_tokens and len(self._retained) > 1
+            several = len(self._retained) > 1
+            too_big = self._retained_tokens > cfg.max_retained_tokens and several
+            too_big = too_big or (self._journal_total > cfg.max_journal_bytes and several)
             if not (expired or too_many or too_big):
                 break
             self._retained.popitem(last=False)
             self._retained_tokens -= oldest.tokens
+            self._journal_total -= oldest.journal_bytes
+            dropped.append(oldest.job_id)
+        if dropped and self.journal is not None:
+            self.journal.delete(dropped)
 
     # -- events ----------------------------------------------------------------------
     def _emit(self, job: JobState, event: Event) -> None:
@@ -962,6 +1090,13 @@ class Scheduler:
 
 
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+def _with_seed(item: Item, check: Admission | Exception) -> Item:
+    """The item as journaled: a sampled item gets the seed the daemon chose for it."""
+    if isinstance(check, Admission) and item.seed is None and not check.sampling.greedy:
+        return msgspec.structs.replace(item, seed=check.sampling.seed)
+    return item
 
 
 def _stuck(state: ItemState) -> Exception:

@@ -408,7 +408,8 @@ class Server:
 
     async def _dispatch(self, ident: bytes, caller: Caller, req: p.Request) -> None:
         sched = self.scheduler
-        if sched is None and isinstance(req, p.Submit | p.Cancel | p.Attach | p.Detach | p.Results):
+        waits_for_model = p.Submit | p.Cancel | p.Attach | p.Detach | p.Results | p.ListJobs
+        if sched is None and isinstance(req, waits_for_model):
             raise NotReady(
                 "kvmuxd is still loading its model; retry shortly (`kvmux status --wait` "
                 "waits until it is ready)"
@@ -459,6 +460,9 @@ class Server:
                         next=after,
                     ),
                 )
+            case p.ListJobs():
+                assert sched is not None
+                self.send(ident, p.JobList(id=req.id, jobs=sched.list_jobs(caller)))
             case p.Detach(job_id=job_id):
                 assert sched is not None
                 sched.detach(job_id, caller)
@@ -472,7 +476,7 @@ class Server:
                 self._unsubscribe_logs(ident)
                 self.send(ident, p.Ack(id=req.id))
             case p.Heartbeat():
-                self.send(ident, p.Ack(id=req.id))
+                self.send(ident, p.Ack(id=req.id, instance=self._hello().instance))
             case p.Bye():
                 self.send(ident, p.Ack(id=req.id))
                 self._forget(ident, "its client closed the connection", "client_closed")

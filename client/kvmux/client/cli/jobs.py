@@ -6,16 +6,26 @@ import argparse
 import asyncio
 import contextlib
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from .. import protocol as p
-from .._client import Job
-from ..errors import KvmuxError
+from .._client import Client, Job
+from ..errors import DaemonUnreachable, KvmuxError, NotFound, NotReady
 from .batch import Batch, read_batch
 from .connect import INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
 from .progress import Reporter, failure_label, make_reporter
 from .results import ResultWriter, refused_line, result_line
+
+T = TypeVar("T")
 
 # How long an interrupted command spends telling the daemon what to do with its job.
 _GOODBYE_SECONDS = 2.0
@@ -45,9 +55,13 @@ async def submit(args: argparse.Namespace) -> int:
         if not batch.items:
             reporter.note(f"no line of {args.file} is a valid item: nothing submitted")
             return ITEMS_FAILED
-        client = await open_client(args.endpoint, args.timeout)
+        conn = _Connection(await open_client(args.endpoint, args.timeout), args)
         try:
-            job = await client.submit(batch.items, detach=args.detach, name=Path(args.file).name)
+            job = await conn.when_ready(
+                lambda: conn.client.submit(
+                    batch.items, detach=args.detach, name=Path(args.file).name
+                )
+            )
             if args.detach:
                 print(job.job_id, flush=True)
                 reporter.note(
@@ -59,14 +73,14 @@ async def submit(args: argparse.Namespace) -> int:
             for _ in batch.errors:
                 reporter.item(ok=False)
             try:
-                await _collect(job, reporter, _need(writer), batch.lines)
+                await conn.follow(job, reporter, _need(writer), batch.lines)
             except asyncio.CancelledError:
                 _uncancel()
                 with contextlib.suppress(KvmuxError, TimeoutError):
-                    await asyncio.wait_for(client.cancel(job.job_id), _GOODBYE_SECONDS)
+                    await asyncio.wait_for(conn.client.cancel(job.job_id), _GOODBYE_SECONDS)
                 return _interrupted(reporter, f"job {job.job_id} cancelled")
         finally:
-            await client.close()
+            await conn.client.close()
         return _finish(reporter, args.out)
 
 
@@ -74,25 +88,122 @@ async def results(args: argparse.Namespace) -> int:
     """``kvmux results JOB_ID``: re-attach to a job and write all of its results."""
     with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
         writer = _need(_open_writer(args.out, reporter, stack, detached=False))
-        client = await open_client(args.endpoint, args.timeout)
+        conn = _Connection(await open_client(args.endpoint, args.timeout), args)
         try:
-            job = await client.attach(args.job_id)
+            job = await conn.when_ready(lambda: conn.client.attach(args.job_id))
             await job.fetch_results()  # what finished before the attach
             reporter.start(job.job_id, job.total)
             try:
-                await _collect(job, reporter, writer, None)
+                await conn.follow(job, reporter, writer, None)
             except asyncio.CancelledError:
                 _uncancel()
                 # Attaching made this client the job's owner; detach so that
                 # leaving does not cancel a job someone else submitted.
                 with contextlib.suppress(KvmuxError, TimeoutError):
-                    await asyncio.wait_for(client.detach(job.job_id), _GOODBYE_SECONDS)
+                    await asyncio.wait_for(conn.client.detach(job.job_id), _GOODBYE_SECONDS)
                 return _interrupted(
                     reporter, f"job {job.job_id} keeps running; `kvmux results {job.job_id}` again"
                 )
         finally:
-            await client.close()
+            await conn.client.close()
         return _finish(reporter, args.out)
+
+
+class _Connection:
+    """The client a command uses, replaced when the daemon restarts under it."""
+
+    def __init__(self, client: Client, args: argparse.Namespace) -> None:
+        self.client = client
+        self.args = args
+
+    async def when_ready(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, retried while the daemon is still loading (up to --wait-daemon s)."""
+        deadline = time.monotonic() + self.args.wait_daemon
+        while True:
+            try:
+                return await call()
+            except NotReady:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def follow(
+        self, job: Job, reporter: Reporter, writer: ResultWriter, line_of: Sequence[int] | None
+    ) -> None:
+        """Collect every result of ``job``; if kvmuxd goes away (a restart, an upgrade, a
+        crash), wait up to --wait-daemon seconds for it, re-attach and go on."""
+        seen: set[int] = set()
+        wait = self.args.wait_daemon
+        while True:
+            try:
+                await _collect(job, reporter, writer, line_of, seen)
+                return
+            except (DaemonUnreachable, NotReady) as exc:
+                if wait <= 0:
+                    reporter.stop()
+                    raise CliError(
+                        f"{exc} Job {job.job_id}: {len(seen)} of {job.total} results written "
+                        "before this."
+                    ) from exc
+                why = exc.details.get("reason", exc)
+                reporter.note(
+                    f"kvmuxd went away ({why}); waiting up to {wait:g} s for it to come back, "
+                    f"then re-attaching to job {job.job_id}"
+                )
+            with contextlib.suppress(KvmuxError, TimeoutError):
+                await self.client.close()
+            try:
+                self.client = await open_client(self.args.endpoint, self.args.timeout, wait=wait)
+                job = await self.when_ready(partial(self.client.attach, job.job_id))
+            except (DaemonUnreachable, NotReady):
+                raise CliError(
+                    f"kvmuxd did not come back within {wait:g} s (--wait-daemon). Job "
+                    f"{job.job_id}: {len(seen)} of {job.total} results written; collect the rest "
+                    f"with `kvmux results {job.job_id}` once it is back."
+                ) from None
+            except NotFound:
+                raise CliError(
+                    f"kvmuxd came back without job {job.job_id} (it keeps no journal: "
+                    f'jobs.journal = ""); {len(seen)} of {job.total} results were written.'
+                ) from None
+            await job.fetch_results()
+            reporter.note(f"re-attached to job {job.job_id}")
+
+
+async def list_jobs(args: argparse.Namespace) -> int:
+    """``kvmux jobs``: the caller's jobs, a table on a terminal or JSON lines."""
+    client = await open_client(args.endpoint, args.timeout)
+    try:
+        infos = await client.jobs()
+    finally:
+        await client.close()
+    if args.json:
+        for info in infos:
+            sys.stdout.write(msgspec.json.encode(info).decode() + "\n")
+        return OK
+    table = Table(title=f"{len(infos)} job(s)", title_justify="left")
+    for column in ("job", "name", "state", "done", "failed", "total", "age", "detached"):
+        table.add_column(column)
+    for info in infos:
+        table.add_row(
+            info.job_id,
+            Text(info.name),
+            info.state,
+            str(info.ok + info.failed),
+            str(info.failed),
+            str(info.total),
+            _age(info.age_seconds),
+            "yes" if info.detached else "no",
+        )
+    Console().print(table)
+    return OK
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 async def cancel(args: argparse.Namespace) -> int:
@@ -107,10 +218,14 @@ async def cancel(args: argparse.Namespace) -> int:
 
 
 async def _collect(
-    job: Job, reporter: Reporter, writer: ResultWriter, line_of: Sequence[int] | None
+    job: Job,
+    reporter: Reporter,
+    writer: ResultWriter,
+    line_of: Sequence[int] | None,
+    seen: set[int],
 ) -> None:
-    """Write every result of ``job`` once, as it finishes, and feed the progress display."""
-    seen: set[int] = set()
+    """Write every result of ``job`` not in ``seen`` once, as it finishes, and feed the
+    progress display."""
 
     def record(result: p.ItemResult) -> None:
         if result.index in seen:
@@ -137,6 +252,8 @@ async def _collect(
             # The stream dropped an event: the results call re-attaches for the rest.
             for result in await job.results():
                 record(result)
+    except (DaemonUnreachable, NotReady):
+        raise  # the caller waits for the daemon to come back
     except KvmuxError as exc:
         reporter.stop()
         raise CliError(

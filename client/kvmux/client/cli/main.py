@@ -80,6 +80,17 @@ def _out(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _wait_daemon(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wait-daemon",
+        type=_non_negative,
+        default=300.0,
+        metavar="S",
+        help="if kvmuxd goes away mid-job (a restart), wait up to S seconds for it and "
+        "re-attach (default: 300; 0: fail at once)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvmux",
@@ -122,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("file", metavar="FILE.jsonl", help="the batch file; - reads stdin")
     _out(p)
+    _wait_daemon(p)
     p.add_argument(
         "--detach",
         action="store_true",
@@ -141,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("job_id", metavar="JOB_ID")
     _out(p)
+    _wait_daemon(p)
     _quiet(p)
 
     p = command(
@@ -181,6 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="wait up to S seconds until the daemon answers and has loaded its model",
     )
+
+    p = command(
+        "jobs",
+        jobs.list_jobs,
+        "List your jobs (every job for an operator): running and finished, oldest first.",
+        "Finished jobs stay listed for jobs.retention; with a journal, across restarts.\n"
+        "Exit status: 0 listed, 1 no daemon.",
+        "  kvmux jobs\n  kvmux jobs --json | jq -r 'select(.state == \"done\") | .job_id'",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per job and line")
 
     command(
         "cancel",
