@@ -115,7 +115,7 @@ class Peer:
     caller: Caller
     seen: float
     fd: int | None
-    # Malformed-frame budget: a token bucket, and drops since it ran dry.
+    # Malformed-frame budget: a token bucket, and frames dropped since it was last full.
     allowance: float
     allowance_at: float
     drops: int = 0
