@@ -11,7 +11,7 @@
   journal's own API), read back and restored into a scheduler, as kvmuxd
   does at start.
 
-Usage: python -m bench.bench_journal [--quick] [--sync normal|full]
+Usage: python -m bench.bench_journal [--quick] [--sync normal|full] [--repeats R]
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ async def replay(n: int) -> dict[str, Any]:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     repeats, n_new = (3, 32) if args.quick else (5, 64)
+    repeats = args.repeats or repeats
     out = {"throughput": await throughput([1, 16], repeats, n_new, args.sync)}
     out["replay"] = await replay(20_000 if args.quick else 100_000)
     return out
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_journal", description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sync", choices=["normal", "full"], default="normal")
+    parser.add_argument("--repeats", type=int, default=0, help="runs per side (default 5)")
     args = parser.parse_args(argv)
     result = anyio.run(main_async, args)
     print(f"written to {write_json('bench_journal', result)}")
