@@ -25,6 +25,7 @@ from kvmux.kv import (
     failpoints,
     host_memory,
     resolve_hard_max,
+    resolve_min_bucket,
 )
 
 from ..model import ModelFormatError, ModelSpec, Tokenizer, check_session_io, load_model
@@ -117,6 +118,11 @@ class Engine:
             head_dim=self.spec.head_size,
             dtype=kv_dtype,
         )
+        # A windowed KV cache (GQA sliding_window_cache) refuses buffers
+        # shorter than its window: the first bucket is at least that.
+        self.min_bucket = max(
+            resolve_min_bucket(self.options.min_bucket), self.spec.features.min_kv_capacity
+        )
         self.budget = budget if budget is not None else MemoryBudget()
         self._ids = itertools.count(1)
         self._graph_ids = itertools.count(1)
@@ -178,12 +184,10 @@ class Engine:
                 self.kv_spec,
                 hard_max,
                 device_id=self.device_id,
-                min_bucket=self.options.min_bucket,
+                min_bucket=self.min_bucket,
                 budget=self.budget,
             )
-        return HostKvCache(
-            self.kv_spec, hard_max, min_bucket=self.options.min_bucket, budget=self.budget
-        )
+        return HostKvCache(self.kv_spec, hard_max, min_bucket=self.min_bucket, budget=self.budget)
 
     def admit(
         self,

@@ -1,0 +1,219 @@
+"""What a decoder graph does that kvmux's KV handling depends on, read from the graph itself.
+
+kvmux binds one buffer per layer as both ``past_key_values.i.*`` and
+``present.i.*``, grows it by buckets, and binds an attention mask as wide as
+the buffer. That is sound for onnxruntime's ``GroupQueryAttention`` (it reads
+each sequence's length from the mask's sum and writes only the new rows), and
+only there. This module reads the graph's nodes (no weights are loaded) and
+``genai_config.json``'s ``sliding_window`` section, and decides, per feature,
+whether kvmux runs the model as the Generator does, runs it with a tighter
+limit, or refuses it with the reason.
+
+Measured against onnxruntime-genai 0.18's Generator and the source
+transformers model (tests/genai/test_model_matrix.py):
+
+* ``local_window_size`` on GQA over kvmux's full-prefix buffer gives the
+  Generator's tokens (Gemma2). With ``sliding_window_cache=1`` the kernel
+  refuses a buffer smaller than the window ("KV cache capacity (8) must be at
+  least local_window_size (48)"), so the first bucket is raised to the window.
+* A window declared in genai_config.json that no GQA node applies
+  (``local_window_size`` -1, the builder's Mistral export) attends to the
+  whole prefix, unlike the source model once the sequence passes the
+  window; the Generator itself sizes its cache by the window and fails soon
+  after it. kvmux caps the context at the window: up to there, full and
+  windowed attention agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvmux.daemon.model.errors import ModelFormatError
+
+__all__ = ["ModelFeatures", "read_features"]
+
+_GQA = "GroupQueryAttention"
+#: Attention ops that keep their own past/present tensors (concatenating, or
+#: paged): one shared, growing buffer does not fit them.
+_OTHER_ATTENTION = (
+    "MultiHeadAttention",
+    "Attention",
+    "PagedAttention",
+    "SparseAttention",
+    "DecoderMaskedMultiHeadAttention",
+)
+_FLOAT_TYPES = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
+
+
+@dataclass(frozen=True)
+class ModelFeatures:
+    """The graph and config features kvmux relies on, and the limits they impose."""
+
+    #: Weight precision as exported: "fp32", "fp16", "int4 (MatMulNBits, block 32)", ...
+    precision: str
+    attention_layers: int  # GroupQueryAttention nodes
+    #: Window declared by genai_config.json model.decoder.sliding_window, if any.
+    declared_window: int | None
+    #: local_window_size of the GQA nodes that apply one, and how many do.
+    graph_window: int | None
+    windowed_layers: int
+    #: GQA's sliding_window_cache=1: the kernel needs a buffer >= the window.
+    sliding_window_cache: bool
+    softcap: float  # GQA's attention logit soft cap (0: none)
+    rotary: str  # where rotary embeddings happen
+    #: The smallest KV capacity the graph runs with (0: any); kvmux's first bucket.
+    min_kv_capacity: int
+    #: A context limit the features impose (None: none), and why.
+    context_cap: int | None
+    context_cap_reason: str
+
+    def lines(self) -> list[str]:
+        """``kvmux-model info`` lines: one feature each."""
+        if self.declared_window is None and self.graph_window is None:
+            window = "none"
+        else:
+            applied = (
+                f"applied by {self.windowed_layers} of {self.attention_layers} GQA layers "
+                f"(local_window_size {self.graph_window})"
+                if self.graph_window is not None
+                else "applied by no GQA layer (local_window_size -1)"
+            )
+            window = f"declared {self.declared_window}, {applied}"
+        return [
+            f"precision:         {self.precision}",
+            f"attention:         GroupQueryAttention x {self.attention_layers}, shared "
+            "past/present buffer (kvmux relies on it)",
+            f"sliding window:    {window}",
+            "window KV cache:   "
+            + (
+                f"yes: buffers start at {self.min_kv_capacity} (sliding_window_cache=1)"
+                if self.sliding_window_cache
+                else "no"
+            ),
+            f"attention softcap: {self.softcap:g}" if self.softcap else "attention softcap: none",
+            f"rotary:            {self.rotary}",
+            "context cap:       "
+            + (
+                "none"
+                if self.context_cap is None
+                else f"{self.context_cap} ({self.context_cap_reason})"
+            ),
+        ]
+
+
+def _attrs(node: Any) -> dict[str, Any]:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _precision(graph: Any, nbits: list[dict[str, Any]]) -> str:
+    floats: dict[str, int] = {}
+    for init in graph.initializer:
+        name = _FLOAT_TYPES.get(init.data_type)
+        if name is not None and len(init.dims) == 2:  # matrices: the weights that matter
+            n = 1
+            for d in init.dims:
+                n *= int(d)
+            floats[name] = floats.get(name, 0) + n
+    dense = max(floats, key=lambda k: floats[k]) if floats else "fp32"
+    if not nbits:
+        return dense
+    bits = sorted({int(a.get("bits", 4)) for a in nbits})
+    blocks = sorted({int(a.get("block_size", 0)) for a in nbits})
+    kinds = "/".join(f"int{b}" for b in bits)
+    block = ",".join(str(b) for b in blocks)
+    return f"{kinds} (MatMulNBits, block {block}; other weights {dense})"
+
+
+def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> ModelFeatures:
+    """Read ``model_path``'s attention features; raise ``ModelFormatError`` for what kvmux
+    cannot run as the Generator does."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    graph = model.graph
+    nodes = list(graph.node)
+    gqa = [_attrs(n) for n in nodes if n.op_type == _GQA]
+    other = sorted({n.op_type for n in nodes if n.op_type in _OTHER_ATTENTION})
+    nbits = [_attrs(n) for n in nodes if n.op_type == "MatMulNBits"]
+    name = model_path.name
+    problems: list[str] = []
+
+    if not gqa or other:
+        problems.append(
+            f"{name} attends with {', '.join(other) or 'no attention op kvmux knows'}"
+            f"{' besides GroupQueryAttention' if gqa else ''}: kvmux binds one growing buffer "
+            "as both past and present KV, which needs com.microsoft.GroupQueryAttention in "
+            "every layer (what onnxruntime-genai's builder writes for -e cuda, and for -e cpu at "
+            "fp32 or int4)"
+        )
+
+    decoder = config.get("model", {}).get("decoder", {}) if isinstance(config, Mapping) else {}
+    sw = decoder.get("sliding_window") if isinstance(decoder, Mapping) else None
+    declared: int | None = None
+    if isinstance(sw, Mapping):
+        size = sw.get("window_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            declared = size
+        for key in ("slide_key_value_cache", "slide_inputs"):
+            if sw.get(key) is True:
+                problems.append(
+                    f"genai_config.json model.decoder.sliding_window.{key} is true: that model "
+                    "expects its runtime to slide a window-sized KV cache (and its inputs), "
+                    "while kvmux keeps the whole prefix in a growing buffer; export it for "
+                    "-e cpu or -e cuda, whose GQA applies the window itself"
+                )
+
+    windows = [int(a.get("local_window_size", -1)) for a in gqa]
+    applied = [w for w in windows if w >= 0]
+    graph_window = max(applied) if applied else None
+    window_cache = any(int(a.get("sliding_window_cache", 0)) for a in gqa)
+    min_capacity = 0
+    if window_cache and graph_window is not None:
+        min_capacity = 1 << max(graph_window - 1, 0).bit_length()  # next power of two
+
+    cap: int | None = None
+    cap_reason = ""
+    if declared is not None and graph_window is None:
+        cap = declared
+        cap_reason = (
+            f"genai_config.json declares a sliding window of {declared} that no "
+            f"GroupQueryAttention in {name} applies: past it the graph would attend to the "
+            "whole prefix, unlike the model"
+        )
+    elif declared is not None and graph_window is not None and graph_window != declared:
+        problems.append(
+            f"genai_config.json declares a sliding window of {declared} but {name}'s "
+            f"GroupQueryAttention nodes use local_window_size {graph_window}: re-export so "
+            "that both agree"
+        )
+
+    if problems:
+        raise ModelFormatError(folder, problems)
+
+    rotary_in_gqa = sum(1 for a in gqa if int(a.get("do_rotary", 0)))
+    rotary_nodes = sum(1 for n in nodes if n.op_type == "RotaryEmbedding")
+    parts = []
+    if rotary_in_gqa:
+        parts.append(f"inside GQA in {rotary_in_gqa} of {len(gqa)} layers")
+    if rotary_nodes:
+        parts.append(f"{rotary_nodes} RotaryEmbedding nodes")
+    rotary = "; ".join(parts) or "none"
+    softcap = max((float(a.get("softcap", 0.0)) for a in gqa), default=0.0)
+    return ModelFeatures(
+        precision=_precision(graph, nbits),
+        attention_layers=len(gqa),
+        declared_window=declared,
+        graph_window=graph_window,
+        windowed_layers=len(applied),
+        sliding_window_cache=window_cache,
+        softcap=softcap,
+        rotary=rotary,
+        min_kv_capacity=min_capacity,
+        context_cap=cap,
+        context_cap_reason=cap_reason,
+    )
