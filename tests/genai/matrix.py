@@ -22,6 +22,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -272,21 +274,45 @@ def _build_hf(family: Family, out_dir: Path) -> Path:
     return out_dir
 
 
-def export(family: Family, precision: str) -> Export:
-    """The builder's export of ``family`` at ``precision`` (cpu), built once and cached.
+def _entry(family: Family) -> Path:
+    return cache_root() / f"{family.name}-{cache_key(family)}"
 
-    A builder failure is cached too (as ``error.txt``): it is a fact about the
-    builder version, and the matrix reports it as "not exportable".
-    """
-    key = cache_key(family)
-    entry = cache_root() / f"{family.name}-{key}"
+
+def cached(family: Family, precision: str) -> Export | None:
+    """The cached export, or None if this family/precision was never exported."""
+    entry = _entry(family)
     folder = entry / precision
     error_file = entry / f"{precision}.error.txt"
     if (folder / "genai_config.json").is_file():
         return Export(family, precision, folder, None, 0.0)
     if error_file.is_file():
         return Export(family, precision, folder, error_file.read_text().strip(), 0.0)
+    return None
+
+
+def _builder_in_process(hf_dir: Path, out_dir: Path, precision: str) -> None:
+    """What ``python -m onnxruntime_genai.models.builder`` does, minus its ~9 s of imports."""
+    from onnxruntime_genai.models import builder
+
+    cache_dir = str(out_dir.parent / (out_dir.name + ".builder-cache"))
+    args = (None, str(hf_dir), str(out_dir), precision, "cpu", cache_dir)
+    options = builder.parse_extra_options(*args, ["hf_token=false"])
+    builder.create_model(*args, **options)
+
+
+def export(family: Family, precision: str, *, in_process: bool = False) -> Export:
+    """The builder's export of ``family`` at ``precision`` (cpu), built once and cached.
+
+    A builder failure is cached too (as ``<precision>.error.txt``): it is a
+    fact about the builder version, and the matrix reports it as "not
+    exportable". ``in_process`` runs the builder in this process (the export
+    worker of :func:`export_all`) instead of as its command.
+    """
+    hit = cached(family, precision)
+    if hit is not None:
+        return hit
     t0 = time.perf_counter()
+    entry = _entry(family)
     entry.mkdir(parents=True, exist_ok=True)
     hf_dir = entry / "hf"
     if not (hf_dir / "config.json").is_file():
@@ -297,19 +323,65 @@ def export(family: Family, precision: str) -> Export:
     # Export beside the final folder and rename: a crash never leaves a
     # half-written folder that a later run would take for a cached export.
     tmp_out = Path(tempfile.mkdtemp(prefix=f"{precision}-", dir=entry))
+    error: str | None = None
     try:
-        gf.export_with_genai_builder(hf_dir, tmp_out, precision)
-        error = None
+        if in_process:
+            _builder_in_process(hf_dir, tmp_out, precision)
+            if not (tmp_out / "genai_config.json").is_file():
+                error = "the builder wrote no genai_config.json"
+        else:
+            gf.export_with_genai_builder(hf_dir, tmp_out, precision)
     except gf.BuilderFailed as exc:
         error = exc.last_line
+    except Exception as exc:  # noqa: BLE001 - any builder failure is the finding
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0]
     shutil.rmtree(entry / (tmp_out.name + ".builder-cache"), ignore_errors=True)
     if error is None:
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp_out.rename(folder)
+        shutil.rmtree(entry / precision, ignore_errors=True)
+        tmp_out.rename(entry / precision)
     else:
         shutil.rmtree(tmp_out, ignore_errors=True)
-        error_file.write_text(error + "\n")
-    return Export(family, precision, folder, error, time.perf_counter() - t0)
+        (entry / f"{precision}.error.txt").write_text(error + "\n")
+    return Export(family, precision, entry / precision, error, time.perf_counter() - t0)
+
+
+def export_all(pairs: list[tuple[Family, str]]) -> list[Export]:
+    """Every pair's export; those not cached are exported by one worker process.
+
+    One process pays the builder's imports once (an export then takes about
+    a second instead of ten). Should the worker die, what it left undone is
+    exported one builder command at a time.
+    """
+    missing = [(f, p) for f, p in pairs if cached(f, p) is None]
+    seconds: dict[tuple[str, str], float] = {}
+    if missing:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "seconds.json"
+            cmd = [sys.executable, "-m", "tests.genai.matrix", str(report)]
+            cmd += [f"{f.name}:{p}" for f, p in missing]
+            env = {**gf._offline_env(), "PYTHONPATH": str(ROOT)}
+            subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=1800)
+            if report.is_file():
+                for key, value in json.loads(report.read_text()).items():
+                    name, precision = key.split(":")
+                    seconds[(name, precision)] = float(value)
+    out = []
+    for family, precision in pairs:
+        exp = export(family, precision)
+        took = seconds.get((family.name, precision))
+        if took is not None:
+            exp = Export(family, precision, exp.folder, exp.error, took)
+        out.append(exp)
+    return out
+
+
+def _worker(argv: list[str]) -> None:
+    report, *pairs = argv
+    took: dict[str, float] = {}
+    for pair in pairs:
+        name, precision = pair.split(":")
+        took[pair] = export(BY_NAME[name], precision, in_process=True).seconds
+        Path(report).write_text(json.dumps(took))
 
 
 # --------------------------------------------------------------------------- the check
@@ -394,7 +466,10 @@ def check(exp: Export) -> Outcome:
 
     name, precision = exp.family.name, exp.precision
     if exp.error is not None:
-        return Outcome(name, precision, NOT_EXPORTABLE, exp.error, export_seconds=exp.seconds)
+        builder = f"onnxruntime-genai {_versions()['onnxruntime_genai']}'s builder fails"
+        return Outcome(
+            name, precision, NOT_EXPORTABLE, f"{builder}: {exp.error}", export_seconds=exp.seconds
+        )
     t0 = time.perf_counter()
     try:
         spec = load_model(exp.folder)
@@ -442,3 +517,7 @@ def check(exp: Export) -> Outcome:
     else:
         status, detail = IDENTICAL, f"{n} new tokens, {growths} growths while decoding"
     return Outcome(name, precision, status, detail, n, growths, exp.seconds, seconds)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

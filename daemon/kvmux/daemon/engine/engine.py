@@ -152,10 +152,13 @@ class Engine:
         """An item's ceiling: the smaller explicit cap (item, config), clamped by the model."""
         caps = [(max_context, "item max_context"), (self.options.max_len, "config kv.max_len")]
         given = [(v, label) for v, label in caps if v is not None]
+        model = "model max_length"
+        if self.spec.features.context_cap is not None:
+            model = "model max_length, capped by its sliding window, which its graph ignores"
         if not given:
-            return resolve_hard_max(None, self.spec.context_length)
+            return resolve_hard_max(None, self.spec.context_length, model_label=model)
         cap, label = min(given)
-        return resolve_hard_max(cap, self.spec.context_length, cap_label=label)
+        return resolve_hard_max(cap, self.spec.context_length, cap_label=label, model_label=model)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Prompt text or ids to ids; every id checked against the vocabulary."""

@@ -1,0 +1,154 @@
+"""Builder exports of other families: the Generator's tokens, a cap, or a clear refusal.
+
+The default run decodes a subset of the matrix (conftest.MATRIX_SUBSET: one
+entry per outcome); CI runs every family and precision with
+``python -m bench.model_matrix --check``, which also keeps README.md's table
+honest. The refusals kvmux has for features no builder CPU export shows are
+tested here on copies of an export with that feature switched on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
+from kvmux.daemon.model import ModelFormatError, load_model
+from kvmux.daemon.model.__main__ import main as kvmux_model
+from kvmux.kv import CapacityExceeded
+
+from . import matrix as m
+from .conftest import MATRIX_SUBSET
+
+pytestmark = [pytest.mark.genai, pytest.mark.slow]
+
+EXPECTED = {
+    ("llama", "int4"): m.IDENTICAL,
+    ("gemma2", "fp32"): m.IDENTICAL,
+    ("gemma2", "int4"): m.IDENTICAL,
+    ("mistral", "fp32"): m.CAPPED,
+    ("qwen2", "fp16"): m.REFUSED,
+}
+
+
+@pytest.mark.parametrize(("family", "precision"), MATRIX_SUBSET)
+def test_entry_decodes_like_the_generator_or_is_refused(
+    matrix_exports: dict[tuple[str, str], m.Export], family: str, precision: str
+) -> None:
+    outcome = m.check(matrix_exports[(family, precision)])
+    assert outcome.status == EXPECTED[(family, precision)], outcome.detail
+    if outcome.status == m.IDENTICAL:
+        assert outcome.new_tokens >= m.MIN_NEW
+        assert outcome.growths >= m.MIN_GROWTHS
+
+
+def _copy_with_config(src: Path, dst: Path, edit: dict[str, object]) -> Path:
+    """``src`` with its files linked and ``model.decoder`` keys of genai_config.json replaced."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "genai_config.json":
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "genai_config.json").read_text())
+    config["model"]["decoder"].update(edit)
+    (dst / "genai_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_fp16_cpu_export_is_refused_naming_its_attention(
+    matrix_exports: dict[tuple[str, str], m.Export],
+) -> None:
+    folder = matrix_exports[("qwen2", "fp16")].folder
+    with pytest.raises(ModelFormatError) as err:
+        load_model(folder)
+    message = str(err.value)
+    assert str(folder) in message
+    assert "model.onnx attends with MultiHeadAttention" in message
+    assert "needs com.microsoft.GroupQueryAttention in every layer" in message
+    assert "-e cuda" in message  # what would be needed
+
+
+def test_a_window_the_graph_ignores_caps_the_context(
+    matrix_exports: dict[tuple[str, str], m.Export],
+) -> None:
+    folder = matrix_exports[("mistral", "fp32")].folder
+    spec = load_model(folder)
+    assert spec.features.declared_window == m.WINDOW
+    assert spec.features.graph_window is None
+    assert spec.context_length == m.WINDOW
+    assert "no GroupQueryAttention in model.onnx applies" in spec.context_length_source
+    engine = Engine(folder, EngineOptions(min_bucket=8))
+    c = engine.generate([1, *range(40, 70)], SamplingParams(max_new_tokens=100, temperature=0))
+    # The last token is sampled from the step at position 47: it attends to 48
+    # positions, all inside the window, and needs no KV row of its own.
+    assert (c.finish_reason, c.prompt_tokens + c.completion_tokens) == ("length", m.WINDOW + 1)
+    with pytest.raises(CapacityExceeded, match="capped by its sliding window"):
+        engine.admit(list(range(3, 3 + m.WINDOW + 1)))
+
+
+def test_a_windowed_kv_cache_starts_at_its_window(
+    matrix_exports: dict[tuple[str, str], m.Export],
+) -> None:
+    """GQA with sliding_window_cache=1 refuses a buffer shorter than its window."""
+    folder = matrix_exports[("gemma2", "fp32")].folder
+    spec = load_model(folder)
+    assert (spec.features.graph_window, spec.features.windowed_layers) == (m.WINDOW, 2)
+    assert spec.features.min_kv_capacity == 64
+    engine = Engine(folder, EngineOptions(min_bucket=8))
+    assert engine.min_bucket == 64
+    session = engine.new_session([1, 5, 6], SamplingParams(max_new_tokens=2, temperature=0))
+    session.step()
+    assert session.cache.capacity == 64
+    session.release()
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (
+            {"slide_key_value_cache": True},
+            "sliding_window.slide_key_value_cache is true: that model expects its runtime to "
+            "slide a window-sized KV cache",
+        ),
+        ({"slide_inputs": True}, "sliding_window.slide_inputs is true"),
+        (
+            {"window_size": 32},
+            "declares a sliding window of 32 but model.onnx's GroupQueryAttention nodes use "
+            "local_window_size 48",
+        ),
+    ],
+)
+def test_a_window_kvmux_cannot_keep_is_refused(
+    matrix_exports: dict[tuple[str, str], m.Export],
+    tmp_path: Path,
+    edit: dict[str, object],
+    needle: str,
+) -> None:
+    src = matrix_exports[("gemma2", "fp32")].folder
+    sw = json.loads((src / "genai_config.json").read_text())["model"]["decoder"]["sliding_window"]
+    folder = _copy_with_config(src, tmp_path / "m", {"sliding_window": {**sw, **edit}})
+    with pytest.raises(ModelFormatError, match=r"genai_config\.json") as err:
+        load_model(folder)
+    assert needle in str(err.value)
+
+
+def test_info_shows_family_precision_window_and_features(
+    matrix_exports: dict[tuple[str, str], m.Export], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert kvmux_model(["info", str(matrix_exports[("gemma2", "int4")].folder)]) == 0
+    out = capsys.readouterr().out
+    assert "(family gemma2)" in out
+    assert "precision:         int4 (MatMulNBits, block 32" in out
+    assert "GroupQueryAttention x 4, shared past/present buffer" in out
+    assert "sliding window:    declared 48, applied by 2 of 4 GQA layers" in out
+    assert "window KV cache:   yes: buffers start at 64" in out
+    assert "attention softcap: 50" in out
+    assert "context cap:       none" in out
+
+
+def test_info_names_the_refusal(
+    matrix_exports: dict[tuple[str, str], m.Export], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert kvmux_model(["info", str(matrix_exports[("qwen2", "fp16")].folder)]) == 2
+    assert "attends with MultiHeadAttention" in capsys.readouterr().err
