@@ -52,6 +52,7 @@ MATRIX_SUBSET = (
     ("gemma2", "fp32"),
     ("gemma2", "int4"),
     ("mistral", "fp32"),
+    ("phi3-longrope", "fp32"),
     ("qwen2", "fp16"),
 )
 

@@ -118,6 +118,20 @@ FAMILIES: tuple[Family, ...] = (
         {"original_max_position_embeddings": 1024},
     ),
     Family(
+        "phi3-longrope",
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        "LongRoPE: rotary factors switch past 64 tokens (Phi-3 128k's recipe)",
+        {
+            "original_max_position_embeddings": 64,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.05 * i for i in range(16)],
+                "long_factor": [2.0 + 0.3 * i for i in range(16)],
+            },
+        },
+    ),
+    Family(
         "phi",
         "PhiForCausalLM",
         "PhiConfig",

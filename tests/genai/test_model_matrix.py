@@ -29,6 +29,7 @@ EXPECTED = {
     ("gemma2", "fp32"): m.IDENTICAL,
     ("gemma2", "int4"): m.IDENTICAL,
     ("mistral", "fp32"): m.CAPPED,
+    ("phi3-longrope", "fp32"): m.IDENTICAL,
     ("qwen2", "fp16"): m.REFUSED,
 }
 
@@ -131,6 +132,36 @@ def test_a_window_kvmux_cannot_keep_is_refused(
     with pytest.raises(ModelFormatError, match=r"genai_config\.json") as err:
         load_model(folder)
     assert needle in str(err.value)
+
+
+def test_a_longrope_switch_past_the_first_bucket_is_refused_at_engine_start(
+    matrix_exports: dict[tuple[str, str], m.Export],
+) -> None:
+    folder = matrix_exports[("phi3-longrope", "fp32")].folder
+    assert load_model(folder).features.length_switch == 64
+    with pytest.raises(ModelFormatError, match=r"kv\.min_bucket 128 is above 64"):
+        Engine(folder, EngineOptions(min_bucket=128))
+
+
+def test_a_longrope_switch_off_the_buckets_is_refused(
+    matrix_exports: dict[tuple[str, str], m.Export], tmp_path: Path
+) -> None:
+    """The same export with its switch moved to 48: a 64-wide mask would pass it at 33 tokens."""
+    import onnx
+    from onnx import numpy_helper
+
+    src = matrix_exports[("phi3-longrope", "fp32")].folder
+    folder = _copy_with_config(src, tmp_path / "m", {})
+    model = onnx.load(str(src / "model.onnx"), load_external_data=False)
+    (greater,) = [n for n in model.graph.node if n.op_type == "Greater"]
+    (const,) = [n for n in model.graph.node if n.output[0] == greater.input[1]]
+    value = const.attribute[0].t
+    value.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(value) * 0 + 48, value.name))
+    (folder / "model.onnx").unlink()
+    onnx.save(model, str(folder / "model.onnx"))
+    with pytest.raises(ModelFormatError) as err:
+        load_model(folder)
+    assert "switches its rotary caches when the attention mask is wider than 48" in str(err.value)
 
 
 def test_info_shows_family_precision_window_and_features(

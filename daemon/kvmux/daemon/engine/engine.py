@@ -123,6 +123,15 @@ class Engine:
         self.min_bucket = max(
             resolve_min_bucket(self.options.min_bucket), self.spec.features.min_kv_capacity
         )
+        switch = self.spec.features.length_switch
+        if switch is not None and self.min_bucket > switch:
+            raise ModelFormatError(
+                self.spec.folder,
+                f"kv.min_bucket {self.min_bucket} is above {switch}, the length past which "
+                f"{self.spec.model_path.name} switches to its long rotary factors (it reads "
+                "the mask's width, which is the bucket): set kv.min_bucket <= "
+                f"{switch} so the switch happens at the Generator's step",
+            )
         self.budget = budget if budget is not None else MemoryBudget()
         self._ids = itertools.count(1)
         self._graph_ids = itertools.count(1)

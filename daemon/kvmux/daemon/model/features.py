@@ -22,6 +22,10 @@ transformers model (tests/genai/test_model_matrix.py):
   window; the Generator itself sizes its cache by the window and fails soon
   after it. kvmux caps the context at the window: up to there, full and
   windowed attention agree.
+* LongRoPE (Phi-3 long-context exports) picks its rotary caches with
+  ``If(Greater(mask width, T))``. The Generator's mask is as wide as the
+  sequence, kvmux's as wide as the bucket: the two pass T at the same step
+  only when T is a power of two no smaller than the first bucket.
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ class ModelFeatures:
     #: A context limit the features impose (None: none), and why.
     context_cap: int | None
     context_cap_reason: str
+    #: The sequence length past which the graph switches its rotary caches
+    #: (LongRoPE: an If on the attention mask's width > T); None: no switch.
+    length_switch: int | None = None
 
     def lines(self) -> list[str]:
         """``kvmux-model info`` lines: one feature each."""
@@ -94,7 +101,12 @@ class ModelFeatures:
                 else "no"
             ),
             f"attention softcap: {self.softcap:g}" if self.softcap else "attention softcap: none",
-            f"rotary:            {self.rotary}",
+            f"rotary:            {self.rotary}"
+            + (
+                ""
+                if self.length_switch is None
+                else f"; long factors past {self.length_switch} tokens (mask width)"
+            ),
             "context cap:       "
             + (
                 "none"
@@ -127,6 +139,47 @@ def _precision(graph: Any, nbits: list[dict[str, Any]]) -> str:
     kinds = "/".join(f"int{b}" for b in bits)
     block = ",".join(str(b) for b in blocks)
     return f"{kinds} (MatMulNBits, block {block}; other weights {dense})"
+
+
+def _constant_ints(graph: Any) -> dict[str, list[int]]:
+    """Integer constants by name: initializers stored inline and Constant nodes."""
+    from onnx import numpy_helper
+
+    out: dict[str, list[int]] = {}
+    tensors = [(t.name, t) for t in graph.initializer if t.data_type in (6, 7) and t.raw_data]
+    tensors += [
+        (n.output[0], a.t)
+        for n in graph.node
+        if n.op_type == "Constant"
+        for a in n.attribute
+        if a.name == "value" and a.t.data_type in (6, 7)
+    ]
+    for name, tensor in tensors:
+        out[name] = [int(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+    return out
+
+
+def _length_switches(graph: Any, name: str, problems: list[str]) -> list[int]:
+    """Thresholds T of ``If(Greater(length, T))`` nodes; anything else is a problem."""
+    producers = {o: n for n in graph.node for o in n.output}
+    constants: dict[str, list[int]] | None = None
+    switches = []
+    for node in graph.node:
+        if node.op_type != "If":
+            continue
+        cond = producers.get(node.input[0])
+        if constants is None:
+            constants = _constant_ints(graph)
+        t = constants.get(cond.input[1]) if cond is not None and cond.op_type == "Greater" else None
+        if t is None or len(t) != 1:
+            problems.append(
+                f"{name} has an If node ({node.name}) whose condition kvmux cannot read: "
+                "kvmux binds an attention mask as wide as its KV bucket, so it runs only "
+                "graphs whose branches depend on the sequence length as Greater(length, T)"
+            )
+            continue
+        switches.append(t[0])
+    return switches
 
 
 def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> ModelFeatures:
@@ -192,6 +245,16 @@ def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> 
             "that both agree"
         )
 
+    switches = _length_switches(graph, name, problems)
+    for t in switches:
+        if t < 1 or t & (t - 1):
+            problems.append(
+                f"{name} switches its rotary caches when the attention mask is wider than {t} "
+                "tokens (LongRoPE): kvmux binds a mask as wide as its power-of-two KV bucket, "
+                f"which passes {t} at the same step as the sequence only if {t} is a power "
+                "of two; kvmux would use the long factors too early"
+            )
+
     if problems:
         raise ModelFormatError(folder, problems)
 
@@ -216,4 +279,5 @@ def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> 
         min_kv_capacity=min_capacity,
         context_cap=cap,
         context_cap_reason=cap_reason,
+        length_switch=min(switches) if switches else None,
     )
