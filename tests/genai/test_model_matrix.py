@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
+from kvmux.daemon.engine import BadPrompt, Engine, EngineOptions, SamplingParams
 from kvmux.daemon.model import ModelFormatError, load_model
 from kvmux.daemon.model.__main__ import main as kvmux_model
 from kvmux.kv import CapacityExceeded
@@ -102,6 +102,11 @@ def test_a_windowed_kv_cache_starts_at_its_window(
     session.step()
     assert session.cache.capacity == 64
     session.release()
+    # A cap between the window and the bucket still holds the window.
+    c = engine.generate([1, 5, 6], SamplingParams(max_new_tokens=60, temperature=0), max_context=48)
+    assert (c.finish_reason, c.completion_tokens) == ("length", 46)
+    with pytest.raises(BadPrompt, match="below 48, the smallest KV buffer"):
+        engine.admit([1, 5, 6], max_context=47)
 
 
 @pytest.mark.parametrize(

@@ -218,6 +218,14 @@ class Engine:
         ids = self.encode(prompt)
         sampling = resolve_sampling(params or SamplingParams(), self.spec.search)
         hard_max = self.hard_max_for(max_context)
+        floor = self.spec.features.kv_floor
+        if hard_max.value is not None and hard_max.value < floor:
+            raise BadPrompt(
+                f"hard maximum {hard_max.value} ({hard_max.source}) is below {floor}, the "
+                f"smallest KV buffer {self.spec.model_path.name}'s windowed attention runs with "
+                "(GroupQueryAttention sliding_window_cache); raise max_context or kv.max_len",
+                {"hard_max": hard_max.value, "kv_floor": floor},
+            )
         if hard_max.value is not None and len(ids) > hard_max.value:
             # A cache of capacity 0 holds no memory; the driver raises the
             # error with its full diagnostics before allocating anything.

@@ -68,7 +68,9 @@ class ModelFeatures:
     sliding_window_cache: bool
     softcap: float  # GQA's attention logit soft cap (0: none)
     rotary: str  # where rotary embeddings happen
-    #: The smallest KV capacity the graph runs with (0: any); kvmux's first bucket.
+    #: The smallest KV buffer the graph runs with (0: any), and the power of
+    #: two at or above it that kvmux's first bucket is raised to.
+    kv_floor: int
     min_kv_capacity: int
     #: A context limit the features impose (None: none), and why.
     context_cap: int | None
@@ -225,9 +227,8 @@ def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> 
     applied = [w for w in windows if w >= 0]
     graph_window = max(applied) if applied else None
     window_cache = any(int(a.get("sliding_window_cache", 0)) for a in gqa)
-    min_capacity = 0
-    if window_cache and graph_window is not None:
-        min_capacity = 1 << max(graph_window - 1, 0).bit_length()  # next power of two
+    floor = graph_window if window_cache and graph_window is not None else 0
+    min_capacity = 1 << max(floor - 1, 0).bit_length() if floor else 0
 
     cap: int | None = None
     cap_reason = ""
@@ -276,6 +277,7 @@ def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> 
         sliding_window_cache=window_cache,
         softcap=softcap,
         rotary=rotary,
+        kv_floor=floor,
         min_kv_capacity=min_capacity,
         context_cap=cap,
         context_cap_reason=cap_reason,
