@@ -10,6 +10,9 @@ tested here on copies of an export with that feature switched on.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,28 @@ def test_fp16_cpu_export_is_refused_naming_its_attention(
     assert "model.onnx attends with MultiHeadAttention" in message
     assert "needs com.microsoft.GroupQueryAttention in every layer" in message
     assert "-e cuda" in message  # what would be needed
+
+
+def test_kvmuxd_refuses_it_at_start_with_the_reason(
+    matrix_exports: dict[tuple[str, str], m.Export], tmp_path: Path
+) -> None:
+    from bench.bench_daemon import toml_config
+    from kvmux.daemon.config import EX_CONFIG
+
+    cfg = tmp_path / "kvmuxd.toml"
+    folder = matrix_exports[("qwen2", "fp16")].folder
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:  # ipc paths must be short
+        sock = f"ipc://{short}/k.sock"
+        cfg.write_text(toml_config({"model": {"path": str(folder)}, "server": {"endpoint": sock}}))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvmux.daemon", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == EX_CONFIG
+    assert "startup_failed" in proc.stdout
+    assert "model.onnx attends with MultiHeadAttention" in proc.stdout
 
 
 def test_a_window_the_graph_ignores_caps_the_context(
