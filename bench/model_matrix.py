@@ -37,12 +37,13 @@ _CELL = {
     m.NOT_EXPORTABLE: "not exportable",
     m.DIFFERS: "**DIFFERS**",
     m.GENERATOR_FAILS: "**Generator fails**",
+    m.REPETITIVE: "**too repetitive to compare**",
 }
 
 
 def cell(o: m.Outcome) -> str:
     if o.status == m.IDENTICAL:
-        return f"identical ({o.new_tokens} tokens, {o.growths} growths)"
+        return f"identical ({o.new_tokens} tokens, {o.distinct} distinct, {o.growths} growths)"
     if o.status == m.CAPPED:
         return f"identical up to the window ({o.new_tokens} tokens, then capped)"
     return _CELL[o.status]
@@ -85,7 +86,8 @@ def table(outcomes: list[m.Outcome], precisions: list[str]) -> str:
     summary = ", ".join(f"{n} {status}" for status, n in counts.items())
     lines.append(
         f"{len(families)} families x {len(precisions)} precisions: {summary}. Every "
-        f"identical entry decodes {m.MIN_NEW}+ new tokens across {m.MIN_GROWTHS}+ KV growths "
+        f"identical entry decodes {m.MIN_NEW}+ new tokens ({m.MIN_DISTINCT}+ distinct) "
+        f"across {m.MIN_GROWTHS}+ KV growths "
         f"(first bucket {m.MIN_BUCKET}, prefill chunks of {m.PREFILL_CHUNK}), through "
         "`Engine` and through `kvmuxd`."
     )
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(outcomes, precisions)
     print(text)
 
-    failed = [o for o in outcomes if o.status in (m.DIFFERS, m.GENERATOR_FAILS)]
+    failed = [o for o in outcomes if o.status in (m.DIFFERS, m.GENERATOR_FAILS, m.REPETITIVE)]
     for o in failed:
         print(f"FAIL {o.family} {o.precision}: {o.status}: {o.detail}", file=sys.stderr)
     if args.write:

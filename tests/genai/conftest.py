@@ -50,7 +50,8 @@ def genai_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 MATRIX_SUBSET = (
     ("llama", "int4"),
     ("gemma2", "fp32"),
-    ("gemma2", "int4"),
+    ("gemma2-fullkv", "fp32"),
+    ("gemma2-fullkv", "int4"),
     ("mistral", "fp32"),
     ("phi3-longrope", "fp32"),
     ("qwen2", "fp16"),

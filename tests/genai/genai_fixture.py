@@ -219,7 +219,9 @@ class BuilderFailed(RuntimeError):
         self.last_line = last_line  # the builder's own last word, e.g. "KeyError: 'rope_type'"
 
 
-def export_with_genai_builder(hf_dir: Path, out_dir: Path, precision: str = "fp32") -> Path:
+def export_with_genai_builder(
+    hf_dir: Path, out_dir: Path, precision: str = "fp32", extra_options: tuple[str, ...] = ()
+) -> Path:
     """Run onnxruntime-genai's model builder (cpu, ``precision``) on a local HF folder.
 
     Returns ``out_dir`` (holding genai_config.json, model.onnx, tokenizer files);
@@ -249,6 +251,7 @@ def export_with_genai_builder(hf_dir: Path, out_dir: Path, precision: str = "fp3
         str(cache_dir),  # default is ./cache_dir relative to cwd
         "--extra_options",
         "hf_token=false",
+        *extra_options,
     ]
     proc = subprocess.run(
         cmd,

@@ -60,6 +60,20 @@ BASE: dict[str, Any] = {
 WINDOW = 48
 
 
+_GEMMA2: dict[str, Any] = {
+    "head_dim": 32,
+    "num_hidden_layers": 4,
+    "sliding_window": WINDOW,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "query_pre_attn_scalar": 32,
+    # Tied, this random model repeats its last prompt token forever (the
+    # scaled embedding dominates the residual through Gemma2's extra
+    # norms): a decode that proves nothing. The gemma row covers tying.
+    "tie_word_embeddings": False,
+}
+
+
 @dataclass(frozen=True)
 class Family:
     """One builder family: its transformers config, and what the config exercises."""
@@ -69,6 +83,8 @@ class Family:
     config_class: str
     peculiarity: str
     overrides: dict[str, Any] = field(default_factory=dict)
+    #: Extra ``--extra_options KEY=VALUE`` for the builder, beyond hf_token=false.
+    builder_options: tuple[str, ...] = ()
 
     def config_kwargs(self) -> dict[str, Any]:
         return {**BASE, **self.overrides}
@@ -95,6 +111,15 @@ FAMILIES: tuple[Family, ...] = (
         "MistralConfig",
         f"sliding window {WINDOW} on every layer",
         {"head_dim": 32, "sliding_window": WINDOW},
+    ),
+    Family(
+        "mistral-fullkv",
+        "MistralForCausalLM",
+        "MistralConfig",
+        "mistral's config, exported with windowed_kv_cache=false: the builder then writes no "
+        "window at all, so kvmux and the Generator agree, both attending past the window",
+        {"head_dim": 32, "sliding_window": WINDOW},
+        builder_options=("windowed_kv_cache=false",),
     ),
     Family(
         "qwen2",
@@ -150,15 +175,15 @@ FAMILIES: tuple[Family, ...] = (
         "Gemma2ForCausalLM",
         "Gemma2Config",
         f"attention and final logit soft caps; local (window {WINDOW}) / global layers",
-        {
-            "head_dim": 32,
-            "num_hidden_layers": 4,
-            "sliding_window": WINDOW,
-            "attn_logit_softcapping": 50.0,
-            "final_logit_softcapping": 30.0,
-            "query_pre_attn_scalar": 32,
-            "tie_word_embeddings": True,
-        },
+        _GEMMA2,
+    ),
+    Family(
+        "gemma2-fullkv",
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        "gemma2's config, exported with windowed_kv_cache=false (full-length local KV)",
+        _GEMMA2,
+        builder_options=("windowed_kv_cache=false",),
     ),
     Family(
         "gemma3",
@@ -240,7 +265,12 @@ def _versions() -> dict[str, str]:
 
 def cache_key(family: Family) -> str:
     payload = json.dumps(
-        {"recipe": RECIPE, "config": family.config_kwargs(), "versions": _versions()},
+        {
+            "recipe": RECIPE,
+            "config": family.config_kwargs(),
+            "builder": family.builder_options,
+            "versions": _versions(),
+        },
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
@@ -304,14 +334,16 @@ def cached(family: Family, precision: str) -> Export | None:
     return None
 
 
-def _builder_in_process(hf_dir: Path, out_dir: Path, precision: str) -> None:
+def _builder_in_process(
+    hf_dir: Path, out_dir: Path, precision: str, options: tuple[str, ...]
+) -> None:
     """What ``python -m onnxruntime_genai.models.builder`` does, minus its ~9 s of imports."""
     from onnxruntime_genai.models import builder
 
     cache_dir = str(out_dir.parent / (out_dir.name + ".builder-cache"))
     args = (None, str(hf_dir), str(out_dir), precision, "cpu", cache_dir)
-    options = builder.parse_extra_options(*args, ["hf_token=false"])
-    builder.create_model(*args, **options)
+    prepared = builder.parse_extra_options(*args, ["hf_token=false", *options])
+    builder.create_model(*args, **prepared)
 
 
 def export(family: Family, precision: str, *, in_process: bool = False) -> Export:
@@ -340,11 +372,11 @@ def export(family: Family, precision: str, *, in_process: bool = False) -> Expor
     error: str | None = None
     try:
         if in_process:
-            _builder_in_process(hf_dir, tmp_out, precision)
+            _builder_in_process(hf_dir, tmp_out, precision, family.builder_options)
             if not (tmp_out / "genai_config.json").is_file():
                 error = "the builder wrote no genai_config.json"
         else:
-            gf.export_with_genai_builder(hf_dir, tmp_out, precision)
+            gf.export_with_genai_builder(hf_dir, tmp_out, precision, family.builder_options)
     except gf.BuilderFailed as exc:
         error = exc.last_line
     except Exception as exc:  # noqa: BLE001 - any builder failure is the finding
@@ -410,12 +442,16 @@ MIN_BUCKET = 8
 PREFILL_CHUNK = 8
 MIN_GROWTHS = 3
 MIN_NEW = 200
+#: A random model can fall into repeating a token or two; a corrupted KV
+#: would then go unnoticed. A decode with fewer distinct tokens proves nothing.
+MIN_DISTINCT = 20
 
 IDENTICAL = "identical"
 REFUSED = "refused"
 DIFFERS = "differs"
 NOT_EXPORTABLE = "not exportable"
 GENERATOR_FAILS = "generator fails"
+REPETITIVE = "too repetitive to compare"
 CAPPED = "identical to a cap"
 
 
@@ -431,6 +467,7 @@ class Outcome:
     growths: int = 0  # during the decode, after the prompt was in
     export_seconds: float = 0.0
     check_seconds: float = 0.0
+    distinct: int = 0  # distinct token ids among the new tokens
 
 
 def engine_greedy(folder: Path, n_new: int = N_NEW) -> tuple[list[int], int]:
@@ -522,6 +559,9 @@ def check(exp: Export) -> Outcome:
     n = len(expected)
     if mismatches:
         status, detail = DIFFERS, "; ".join(mismatches)
+    elif len(set(expected)) < min(MIN_DISTINCT, n):
+        status = REPETITIVE
+        detail = f"the Generator's {n} tokens hold {len(set(expected))} distinct ids"
     elif spec.features.context_cap is not None:
         status = CAPPED
         detail = (
@@ -529,8 +569,11 @@ def check(exp: Export) -> Outcome:
             "window declared in genai_config.json, not applied by the graph"
         )
     else:
-        status, detail = IDENTICAL, f"{n} new tokens, {growths} growths while decoding"
-    return Outcome(name, precision, status, detail, n, growths, exp.seconds, seconds)
+        detail = f"{n} new tokens ({len(set(expected))} distinct), {growths} growths while decoding"
+        status = IDENTICAL
+    return Outcome(
+        name, precision, status, detail, n, growths, exp.seconds, seconds, len(set(expected))
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmux.daemon.engine import BadPrompt, Engine, EngineOptions, SamplingParams
+from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
 from kvmux.daemon.model import ModelFormatError, load_model
 from kvmux.daemon.model.__main__ import main as kvmux_model
 from kvmux.kv import CapacityExceeded
@@ -29,8 +29,9 @@ pytestmark = [pytest.mark.genai, pytest.mark.slow]
 
 EXPECTED = {
     ("llama", "int4"): m.IDENTICAL,
-    ("gemma2", "fp32"): m.IDENTICAL,
-    ("gemma2", "int4"): m.IDENTICAL,
+    ("gemma2", "fp32"): m.REFUSED,
+    ("gemma2-fullkv", "fp32"): m.IDENTICAL,
+    ("gemma2-fullkv", "int4"): m.IDENTICAL,
     ("mistral", "fp32"): m.CAPPED,
     ("phi3-longrope", "fp32"): m.IDENTICAL,
     ("qwen2", "fp16"): m.REFUSED,
@@ -46,6 +47,7 @@ def test_entry_decodes_like_the_generator_or_is_refused(
     if outcome.status == m.IDENTICAL:
         assert outcome.new_tokens >= m.MIN_NEW
         assert outcome.growths >= m.MIN_GROWTHS
+        assert outcome.distinct >= m.MIN_DISTINCT
 
 
 def _copy_with_config(src: Path, dst: Path, edit: dict[str, object]) -> Path:
@@ -113,25 +115,28 @@ def test_a_window_the_graph_ignores_caps_the_context(
         engine.admit(list(range(3, 3 + m.WINDOW + 1)))
 
 
-def test_a_windowed_kv_cache_starts_at_its_window(
+def test_a_windowed_kv_ring_is_refused_naming_the_re_export(
     matrix_exports: dict[tuple[str, str], m.Export],
 ) -> None:
-    """GQA with sliding_window_cache=1 refuses a buffer shorter than its window."""
+    """The builder's default for Gemma2's local layers: window-sized KV rings."""
     folder = matrix_exports[("gemma2", "fp32")].folder
-    spec = load_model(folder)
-    assert (spec.features.graph_window, spec.features.windowed_layers) == (m.WINDOW, 2)
-    assert spec.features.min_kv_capacity == 64
-    engine = Engine(folder, EngineOptions(min_bucket=8))
-    assert engine.min_bucket == 64
-    session = engine.new_session([1, 5, 6], SamplingParams(max_new_tokens=2, temperature=0))
-    session.step()
-    assert session.cache.capacity == 64
-    session.release()
-    # A cap between the window and the bucket still holds the window.
-    c = engine.generate([1, 5, 6], SamplingParams(max_new_tokens=60, temperature=0), max_context=48)
-    assert (c.finish_reason, c.completion_tokens) == ("length", 46)
-    with pytest.raises(BadPrompt, match="below 48, the smallest KV buffer"):
-        engine.admit([1, 5, 6], max_context=47)
+    with pytest.raises(ModelFormatError) as err:
+        load_model(folder)
+    message = str(err.value)
+    assert "keeps the KV of 2 windowed GroupQueryAttention layers in window-sized rings" in message
+    assert "--extra_options windowed_kv_cache=false" in message
+
+
+def test_the_window_applies_over_kvmux_s_full_prefix_buffer(
+    matrix_exports: dict[tuple[str, str], m.Export],
+) -> None:
+    folder = matrix_exports[("gemma2-fullkv", "fp32")].folder
+    features = load_model(folder).features
+    # The re-export leaves genai_config.json's sliding_window out: the
+    # Generator then binds full-length buffers too.
+    assert (features.declared_window, features.graph_window) == (None, m.WINDOW)
+    assert (features.windowed_layers, features.attention_layers) == (2, 4)
+    assert features.context_cap is None
 
 
 @pytest.mark.parametrize(
@@ -156,8 +161,10 @@ def test_a_window_kvmux_cannot_keep_is_refused(
     edit: dict[str, object],
     needle: str,
 ) -> None:
-    src = matrix_exports[("gemma2", "fp32")].folder
-    sw = json.loads((src / "genai_config.json").read_text())["model"]["decoder"]["sliding_window"]
+    src = matrix_exports[("gemma2-fullkv", "fp32")].folder
+    # The section the builder writes for this model with its windowed KV cache.
+    sw: dict[str, object] = {"window_size": 48, "slide_key_value_cache": False}
+    sw |= {"slide_inputs": False, "layers": [0, 2], "cache_slack": 0}
     folder = _copy_with_config(src, tmp_path / "m", {"sliding_window": {**sw, **edit}})
     with pytest.raises(ModelFormatError, match=r"genai_config\.json") as err:
         load_model(folder)
@@ -197,13 +204,12 @@ def test_a_longrope_switch_off_the_buckets_is_refused(
 def test_info_shows_family_precision_window_and_features(
     matrix_exports: dict[tuple[str, str], m.Export], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert kvmux_model(["info", str(matrix_exports[("gemma2", "int4")].folder)]) == 0
+    assert kvmux_model(["info", str(matrix_exports[("gemma2-fullkv", "int4")].folder)]) == 0
     out = capsys.readouterr().out
     assert "(family gemma2)" in out
     assert "precision:         int4 (MatMulNBits, block 32" in out
     assert "GroupQueryAttention x 4, shared past/present buffer" in out
-    assert "sliding window:    declared 48, applied by 2 of 4 GQA layers" in out
-    assert "window KV cache:   yes: buffers start at 64" in out
+    assert "sliding window:    not declared in genai_config.json, applied by 2 of 4 GQA" in out
     assert "attention softcap: 50" in out
     assert "context cap:       none" in out
 

@@ -118,11 +118,7 @@ class Engine:
             head_dim=self.spec.head_size,
             dtype=kv_dtype,
         )
-        # A windowed KV cache (GQA sliding_window_cache) refuses buffers
-        # shorter than its window: the first bucket is at least that.
-        self.min_bucket = max(
-            resolve_min_bucket(self.options.min_bucket), self.spec.features.min_kv_capacity
-        )
+        self.min_bucket = resolve_min_bucket(self.options.min_bucket)
         switch = self.spec.features.length_switch
         if switch is not None and self.min_bucket > switch:
             raise ModelFormatError(
@@ -218,14 +214,6 @@ class Engine:
         ids = self.encode(prompt)
         sampling = resolve_sampling(params or SamplingParams(), self.spec.search)
         hard_max = self.hard_max_for(max_context)
-        floor = self.spec.features.kv_floor
-        if hard_max.value is not None and hard_max.value < floor:
-            raise BadPrompt(
-                f"hard maximum {hard_max.value} ({hard_max.source}) is below {floor}, the "
-                f"smallest KV buffer {self.spec.model_path.name}'s windowed attention runs with "
-                "(GroupQueryAttention sliding_window_cache); raise max_context or kv.max_len",
-                {"hard_max": hard_max.value, "kv_floor": floor},
-            )
         if hard_max.value is not None and len(ids) > hard_max.value:
             # A cache of capacity 0 holds no memory; the driver raises the
             # error with its full diagnostics before allocating anything.

@@ -13,9 +13,13 @@ Measured against onnxruntime-genai 0.18's Generator and the source
 transformers model (tests/genai/test_model_matrix.py):
 
 * ``local_window_size`` on GQA over kvmux's full-prefix buffer gives the
-  Generator's tokens (Gemma2). With ``sliding_window_cache=1`` the kernel
-  refuses a buffer smaller than the window ("KV cache capacity (8) must be at
-  least local_window_size (48)"), so the first bucket is raised to the window.
+  Generator's tokens (Gemma2 exported with ``windowed_kv_cache=false``).
+* ``sliding_window_cache=1`` (the builder's default for windowed layers)
+  means those layers' buffers are window-sized rings that the runtime evicts
+  from. Over kvmux's full-prefix buffer the kernel computes the same
+  attention in another order: logits drift by ~1e-6 once the ring wraps and
+  tokens part at the next near tie (Gemma2 int4: new token 155). Refused,
+  naming the re-export that kvmux runs exactly.
 * A window declared in genai_config.json that no GQA node applies
   (``local_window_size`` -1, the builder's Mistral export) attends to the
   whole prefix, unlike the source model once the sequence passes the
@@ -64,14 +68,8 @@ class ModelFeatures:
     #: local_window_size of the GQA nodes that apply one, and how many do.
     graph_window: int | None
     windowed_layers: int
-    #: GQA's sliding_window_cache=1: the kernel needs a buffer >= the window.
-    sliding_window_cache: bool
     softcap: float  # GQA's attention logit soft cap (0: none)
     rotary: str  # where rotary embeddings happen
-    #: The smallest KV buffer the graph runs with (0: any), and the power of
-    #: two at or above it that kvmux's first bucket is raised to.
-    kv_floor: int
-    min_kv_capacity: int
     #: A context limit the features impose (None: none), and why.
     context_cap: int | None
     context_cap_reason: str
@@ -90,18 +88,17 @@ class ModelFeatures:
                 if self.graph_window is not None
                 else "applied by no GQA layer (local_window_size -1)"
             )
-            window = f"declared {self.declared_window}, {applied}"
+            declared = (
+                "not declared in genai_config.json"
+                if self.declared_window is None
+                else f"declared {self.declared_window}"
+            )
+            window = f"{declared}, {applied}"
         return [
             f"precision:         {self.precision}",
             f"attention:         GroupQueryAttention x {self.attention_layers}, shared "
             "past/present buffer (kvmux relies on it)",
             f"sliding window:    {window}",
-            "window KV cache:   "
-            + (
-                f"yes: buffers start at {self.min_kv_capacity} (sliding_window_cache=1)"
-                if self.sliding_window_cache
-                else "no"
-            ),
             f"attention softcap: {self.softcap:g}" if self.softcap else "attention softcap: none",
             f"rotary:            {self.rotary}"
             + (
@@ -226,9 +223,15 @@ def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> 
     windows = [int(a.get("local_window_size", -1)) for a in gqa]
     applied = [w for w in windows if w >= 0]
     graph_window = max(applied) if applied else None
-    window_cache = any(int(a.get("sliding_window_cache", 0)) for a in gqa)
-    floor = graph_window if window_cache and graph_window is not None else 0
-    min_capacity = 1 << max(floor - 1, 0).bit_length() if floor else 0
+    ringed = sum(1 for a in gqa if int(a.get("sliding_window_cache", 0)))
+    if ringed:
+        problems.append(
+            f"{name} keeps the KV of {ringed} windowed GroupQueryAttention layers in "
+            "window-sized rings (sliding_window_cache=1), while kvmux keeps the whole prefix "
+            "in growing buffers: the same attention summed in another order, so tokens part "
+            "from the Generator's at near ties; re-export with --extra_options "
+            "windowed_kv_cache=false (the window stays applied, over full-length buffers)"
+        )
 
     cap: int | None = None
     cap_reason = ""
@@ -274,11 +277,8 @@ def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> 
         declared_window=declared,
         graph_window=graph_window,
         windowed_layers=len(applied),
-        sliding_window_cache=window_cache,
         softcap=softcap,
         rotary=rotary,
-        kv_floor=floor,
-        min_kv_capacity=min_capacity,
         context_cap=cap,
         context_cap_reason=cap_reason,
         length_switch=min(switches) if switches else None,
