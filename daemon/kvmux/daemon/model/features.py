@@ -9,8 +9,9 @@ only there. This module reads the graph's nodes (no weights are loaded) and
 whether kvmux runs the model as the Generator does, runs it with a tighter
 limit, or refuses it with the reason.
 
-Measured against onnxruntime-genai 0.18's Generator and the source
-transformers model (tests/genai/test_model_matrix.py):
+Measured against onnxruntime-genai 0.18's Generator (tests/genai/test_model_matrix.py,
+``python -m bench.model_matrix``; the comparisons with the source transformers
+model were made by hand when these rules were written):
 
 * ``local_window_size`` on GQA over kvmux's full-prefix buffer gives the
   Generator's tokens (Gemma2 exported with ``windowed_kv_cache=false``).
