@@ -43,7 +43,11 @@ _CELL = {
 
 def cell(o: m.Outcome) -> str:
     if o.status == m.IDENTICAL:
-        return f"identical ({o.new_tokens} tokens, {o.distinct} distinct, {o.growths} growths)"
+        logits = "logits bit-equal" if o.logit_diff == 0.0 else f"logits within {o.logit_diff:.0e}"
+        return (
+            f"identical ({o.new_tokens} tokens, {o.distinct} distinct, {o.growths} growths, "
+            f"{logits})"
+        )
     if o.status == m.CAPPED:
         return f"identical up to the window ({o.new_tokens} tokens, then capped)"
     return _CELL[o.status]

@@ -468,10 +468,21 @@ class Outcome:
     export_seconds: float = 0.0
     check_seconds: float = 0.0
     distinct: int = 0  # distinct token ids among the new tokens
+    #: Largest |kvmux - Generator| over the logits of every pick (0.0: bit-equal).
+    logit_diff: float = 0.0
 
 
-def engine_greedy(folder: Path, n_new: int = N_NEW) -> tuple[list[int], int]:
-    """kvmux's Engine, greedy, small buckets and chunked prefill: (new tokens, decode growths)."""
+@dataclass
+class Decode:
+    """One side's greedy decode: new tokens, and the logits each was picked from."""
+
+    tokens: list[int]
+    logits: list[Any]  # one float32 vector per new token
+    growths: int = 0  # KV growths after the prompt was in (kvmux only)
+
+
+def engine_greedy(folder: Path, n_new: int = N_NEW) -> Decode:
+    """kvmux's Engine, greedy, small buckets and chunked prefill."""
     from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
 
     engine = Engine(
@@ -479,6 +490,14 @@ def engine_greedy(folder: Path, n_new: int = N_NEW) -> tuple[list[int], int]:
         EngineOptions(min_bucket=MIN_BUCKET, prefill_chunk=PREFILL_CHUNK, intra_op_threads=1),
     )
     session = engine.new_session(PROMPT, SamplingParams(max_new_tokens=n_new, temperature=0.0))
+    logits: list[Any] = []
+    pick = session.sampler
+
+    def keep(row: Any) -> int:
+        logits.append(row.copy())  # the sampler sees every step's logits
+        return pick(row)
+
+    session.sampler = keep  # type: ignore[assignment]
     growths, capacity = 0, None
     try:
         while not session.finished:
@@ -491,7 +510,27 @@ def engine_greedy(folder: Path, n_new: int = N_NEW) -> tuple[list[int], int]:
     finally:
         session.release()
     tokens = completion.token_ids + ([gf.EOS_ID] if completion.finish_reason == "stop" else [])
-    return tokens, growths
+    return Decode(tokens, logits, growths)
+
+
+def generator_greedy(folder: Path, n_new: int) -> Decode:
+    """onnxruntime-genai's Generator, greedy, with the logits of every pick."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(PROMPT) + n_new, batch_size=1)
+    gen = og.Generator(model, params)
+    gen.append_tokens(PROMPT)
+    out = Decode([], [])
+    while not gen.is_done() and len(out.tokens) < n_new:
+        # The logits the next token is picked from: the prompt's last position
+        # first, then each new token's.
+        out.logits.append(np.array(gen.get_logits(), dtype=np.float32).reshape(-1))
+        gen.generate_next_token()
+        out.tokens.append(int(gen.get_next_tokens()[0]))
+    return out
 
 
 async def daemon_greedy(folder: Path, n_new: int = N_NEW) -> list[int]:
@@ -533,7 +572,7 @@ def check(exp: Export) -> Outcome:
     if spec.context_length is not None:
         n_new = min(N_NEW, spec.context_length - len(PROMPT))
     try:
-        expected = gf.generator_greedy(exp.folder, PROMPT, n_new)
+        reference = generator_greedy(exp.folder, n_new)
     except Exception as exc:  # noqa: BLE001 - the peer's failure is the finding
         return Outcome(
             name,
@@ -542,8 +581,14 @@ def check(exp: Export) -> Outcome:
             str(exc).splitlines()[0][:300],
             export_seconds=exp.seconds,
         )
-    got, growths = engine_greedy(exp.folder, n_new)
+    expected = reference.tokens
+    kvmux = engine_greedy(exp.folder, n_new)
+    got, growths = kvmux.tokens, kvmux.growths
     via_daemon = anyio.run(daemon_greedy, exp.folder, n_new)
+    logit_diff = max(
+        (float(abs(a - b).max()) for a, b in zip(kvmux.logits, reference.logits, strict=False)),
+        default=0.0,
+    )
     seconds = time.perf_counter() - t0
     mismatches = []
     for side, tokens in (("Engine", got), ("kvmuxd", via_daemon)):
@@ -572,7 +617,16 @@ def check(exp: Export) -> Outcome:
         detail = f"{n} new tokens ({len(set(expected))} distinct), {growths} growths while decoding"
         status = IDENTICAL
     return Outcome(
-        name, precision, status, detail, n, growths, exp.seconds, seconds, len(set(expected))
+        name,
+        precision,
+        status,
+        detail,
+        n,
+        growths,
+        exp.seconds,
+        seconds,
+        len(set(expected)),
+        logit_diff,
     )
 
 

@@ -48,6 +48,8 @@ def test_entry_decodes_like_the_generator_or_is_refused(
         assert outcome.new_tokens >= m.MIN_NEW
         assert outcome.growths >= m.MIN_GROWTHS
         assert outcome.distinct >= m.MIN_DISTINCT
+        # Stronger than the tokens: every pick's logits are the Generator's, bit for bit.
+        assert outcome.logit_diff == 0.0
 
 
 def _copy_with_config(src: Path, dst: Path, edit: dict[str, object]) -> Path:
