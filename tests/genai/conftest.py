@@ -55,6 +55,7 @@ MATRIX_SUBSET = (
     ("mistral", "fp32"),
     ("phi3-longrope", "fp32"),
     ("qwen2", "fp16"),
+    ("lfm2", "fp32"),
 )
 
 

@@ -74,6 +74,15 @@ _GEMMA2: dict[str, Any] = {
 }
 
 
+_GPTOSS: dict[str, Any] = {
+    "head_dim": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
+
+
 @dataclass(frozen=True)
 class Family:
     """One builder family: its transformers config, and what the config exercises."""
@@ -236,6 +245,51 @@ FAMILIES: tuple[Family, ...] = (
         "NemotronConfig",
         "partial rotary (0.5); LayerNorm1P; squared-ReLU MLP",
         {"head_dim": 32, "partial_rotary_factor": 0.5},
+    ),
+    Family(
+        "ernie4_5", "Ernie4_5ForCausalLM", "Ernie4_5Config", "ERNIE 4.5 dense", {"head_dim": 32}
+    ),
+    Family(
+        "hunyuan",
+        "HunYuanDenseV1ForCausalLM",
+        "HunYuanDenseV1Config",
+        "HunYuan dense: q/k norms after rotary",
+        {"head_dim": 32},
+    ),
+    Family(
+        "gptoss",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        f"MoE (4 experts, top 2), attention sinks, local (window {WINDOW}) / global layers",
+        _GPTOSS,
+    ),
+    Family(
+        "gptoss-fullkv",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        "gptoss's config, exported with windowed_kv_cache=false",
+        _GPTOSS,
+        builder_options=("windowed_kv_cache=false",),
+    ),
+    Family(
+        "lfm2",
+        "Lfm2ForCausalLM",
+        "Lfm2Config",
+        "hybrid: short-convolution layers between attention layers",
+        {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2},
+    ),
+    Family(
+        "granitemoehybrid",
+        "GraniteMoeHybridForCausalLM",
+        "GraniteMoeHybridConfig",
+        "hybrid: a Mamba2 layer before an attention layer",
+        {
+            "layer_types": ["mamba", "attention"],
+            "num_local_experts": 0,
+            "mamba_d_head": 32,
+            "mamba_n_heads": 8,
+            "mamba_d_state": 16,
+        },
     ),
 )
 

@@ -35,6 +35,7 @@ EXPECTED = {
     ("mistral", "fp32"): m.CAPPED,
     ("phi3-longrope", "fp32"): m.IDENTICAL,
     ("qwen2", "fp16"): m.REFUSED,
+    ("lfm2", "fp32"): m.REFUSED,
 }
 
 
@@ -75,6 +76,18 @@ def test_fp16_cpu_export_is_refused_naming_its_attention(
     assert "model.onnx attends with MultiHeadAttention" in message
     assert "needs com.microsoft.GroupQueryAttention in every layer" in message
     assert "-e cuda" in message  # what would be needed
+
+
+def test_a_hybrid_model_is_refused_naming_its_state(
+    matrix_exports: dict[tuple[str, str], m.Export],
+) -> None:
+    with pytest.raises(ModelFormatError) as err:
+        load_model(matrix_exports[("lfm2", "fp32")].folder)
+    (problem,) = err.value.problems  # the reason, not a list of IO mismatches
+    assert problem.startswith(
+        "model.onnx carries a recurrent state between steps (past.0.conv, past.2.conv)"
+    )
+    assert "would need per-layer state buffers" in problem
 
 
 def test_kvmuxd_refuses_it_at_start_with_the_reason(

@@ -613,11 +613,13 @@ def load_model(folder: Path) -> ModelSpec:
         head_size=head_size,
         vocab_size=vocab_size,
     )
+    # Features first: a model kvmux refuses for what it is (hybrid, another
+    # attention) gets that reason rather than a list of IO mismatches.
+    features = read_features(folder, model_path, data)
     inputs, outputs = _onnx_io(folder, model_path)
     kv_dtype, logits_dtype, ids_dtype, mask_dtype, position_ids = _check_io(
         folder, names, inputs, outputs, source=f"{filename} graph"
     )
-    features = read_features(folder, model_path, data)
     cap = features.context_cap
     if cap is not None and (context_length is None or cap < context_length):
         ctx_source = f"capped: {features.context_cap_reason}"

@@ -187,7 +187,12 @@ def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> 
     cannot run as the Generator does."""
     import onnx
 
-    model = onnx.load(str(model_path), load_external_data=False)
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:
+        raise ModelFormatError(
+            folder, f"{model_path.name} is not a readable ONNX model ({exc})"
+        ) from exc
     graph = model.graph
     nodes = list(graph.node)
     gqa = [_attrs(n) for n in nodes if n.op_type == _GQA]
@@ -196,7 +201,22 @@ def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> 
     name = model_path.name
     problems: list[str] = []
 
-    if not gqa or other:
+    # Hybrid models (LFM2's short convolutions, Mamba layers) carry a state
+    # between steps beside the attention KV; the builder names it past.N.conv
+    # / past.N.ssm and the like.
+    inits = {t.name for t in graph.initializer}
+    states = sorted(
+        i.name
+        for i in graph.input
+        if i.name not in inits and any(k in i.name for k in (".conv", ".ssm", "state"))
+    )
+    if states:
+        problems.append(
+            f"{name} carries a recurrent state between steps ({', '.join(states)}): a hybrid "
+            "model's convolution or state-space layers, which kvmux does not keep (it holds "
+            "attention KV only); it would need per-layer state buffers carried across steps"
+        )
+    elif not gqa or other:
         problems.append(
             f"{name} attends with {', '.join(other) or 'no attention op kvmux knows'}"
             f"{' besides GroupQueryAttention' if gqa else ''}: kvmux binds one growing buffer "
