@@ -279,17 +279,21 @@ def _layer_names(reader: _Reader, path: str, default: str, num_layers: int) -> t
 # --------------------------------------------------------------------------- graph IO
 
 
-def _onnx_io(folder: Path, model_path: Path) -> tuple[list[IOInfo], list[IOInfo]]:
-    """The decoder graph's inputs and outputs, read without loading external weights."""
+def _load_graph(folder: Path, model_path: Path) -> Any:
+    """The decoder's ONNX model without its external weights (the graph, IO, attributes)."""
     import onnx
-    from onnx import helper
 
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
+        return onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:
         raise ModelFormatError(
             folder, f"{model_path.name} is not a readable ONNX model ({exc})"
         ) from exc
+
+
+def _onnx_io(model: Any) -> tuple[list[IOInfo], list[IOInfo]]:
+    """The decoder graph's inputs and outputs."""
+    from onnx import helper
 
     initializers = {init.name for init in model.graph.initializer}
 
@@ -615,8 +619,9 @@ def load_model(folder: Path) -> ModelSpec:
     )
     # Features first: a model kvmux refuses for what it is (hybrid, another
     # attention) gets that reason rather than a list of IO mismatches.
-    features = read_features(folder, model_path, data)
-    inputs, outputs = _onnx_io(folder, model_path)
+    graph_model = _load_graph(folder, model_path)
+    features = read_features(folder, model_path.name, graph_model, data)
+    inputs, outputs = _onnx_io(graph_model)
     kv_dtype, logits_dtype, ids_dtype, mask_dtype, position_ids = _check_io(
         folder, names, inputs, outputs, source=f"{filename} graph"
     )

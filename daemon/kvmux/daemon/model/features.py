@@ -182,23 +182,15 @@ def _length_switches(graph: Any, name: str, problems: list[str]) -> list[int]:
     return switches
 
 
-def read_features(folder: Path, model_path: Path, config: Mapping[str, Any]) -> ModelFeatures:
-    """Read ``model_path``'s attention features; raise ``ModelFormatError`` for what kvmux
-    cannot run as the Generator does."""
-    import onnx
-
-    try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception as exc:
-        raise ModelFormatError(
-            folder, f"{model_path.name} is not a readable ONNX model ({exc})"
-        ) from exc
+def read_features(folder: Path, name: str, model: Any, config: Mapping[str, Any]) -> ModelFeatures:
+    """Read the attention features of ``model`` (an ``onnx.ModelProto`` loaded without its
+    weights, file ``name``); raise ``ModelFormatError`` for what kvmux cannot run as the
+    Generator does."""
     graph = model.graph
     nodes = list(graph.node)
     gqa = [_attrs(n) for n in nodes if n.op_type == _GQA]
     other = sorted({n.op_type for n in nodes if n.op_type in _OTHER_ATTENTION})
     nbits = [_attrs(n) for n in nodes if n.op_type == "MatMulNBits"]
-    name = model_path.name
     problems: list[str] = []
 
     # Hybrid models (LFM2's short convolutions, Mamba layers) carry a state
