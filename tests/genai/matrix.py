@@ -612,7 +612,9 @@ def check(exp: Export) -> Outcome:
     if exp.error is not None:
         builder = f"onnxruntime-genai {_versions()['onnxruntime_genai']}'s builder fails"
         # The table must not depend on where the cache lives.
-        error = exp.error.replace(str(exp.folder.parent / "hf"), "HF_FOLDER")
+        error = exp.error
+        for hf in (exp.folder.parent / "hf", (exp.folder.parent / "hf").resolve()):
+            error = error.replace(str(hf), "HF_FOLDER")
         return Outcome(
             name, precision, NOT_EXPORTABLE, f"{builder}: {error}", export_seconds=exp.seconds
         )
