@@ -211,10 +211,21 @@ def build_hf_llama(out_dir: Path, *, seed: int = 0) -> Path:
     return out_dir
 
 
-def export_with_genai_builder(hf_dir: Path, out_dir: Path) -> Path:
-    """Run onnxruntime-genai's model builder (fp32, cpu) on a local HF folder.
+class BuilderFailed(RuntimeError):
+    """onnxruntime-genai's model builder exited without writing a model folder."""
 
-    Returns ``out_dir`` (holding genai_config.json, model.onnx, tokenizer files).
+    def __init__(self, message: str, last_line: str) -> None:
+        super().__init__(message)
+        self.last_line = last_line  # the builder's own last word, e.g. "KeyError: 'rope_type'"
+
+
+def export_with_genai_builder(
+    hf_dir: Path, out_dir: Path, precision: str = "fp32", extra_options: tuple[str, ...] = ()
+) -> Path:
+    """Run onnxruntime-genai's model builder (cpu, ``precision``) on a local HF folder.
+
+    Returns ``out_dir`` (holding genai_config.json, model.onnx, tokenizer files);
+    raises :class:`BuilderFailed` when the builder fails.
     Note: ``builder --help`` crashes in 0.18.0 (a '%' in a help string); the
     flags used here are read from its argparse source.
     """
@@ -233,13 +244,14 @@ def export_with_genai_builder(hf_dir: Path, out_dir: Path) -> Path:
         "-o",
         str(out_dir),
         "-p",
-        "fp32",
+        precision,
         "-e",
         "cpu",
         "-c",
         str(cache_dir),  # default is ./cache_dir relative to cwd
         "--extra_options",
         "hf_token=false",
+        *extra_options,
     ]
     proc = subprocess.run(
         cmd,
@@ -250,9 +262,11 @@ def export_with_genai_builder(hf_dir: Path, out_dir: Path) -> Path:
         timeout=600,
     )
     if proc.returncode != 0 or not (out_dir / "genai_config.json").is_file():
-        raise RuntimeError(
+        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        raise BuilderFailed(
             f"genai builder failed (rc={proc.returncode}): {' '.join(cmd)}\n"
-            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}",
+            lines[-1] if lines else f"builder exited with {proc.returncode}",
         )
     return out_dir
 

@@ -20,12 +20,17 @@ class HardMax:
 
 
 def resolve_hard_max(
-    explicit_cap: int | None, model_max: int | None, *, cap_label: str = "explicit cap"
+    explicit_cap: int | None,
+    model_max: int | None,
+    *,
+    cap_label: str = "explicit cap",
+    model_label: str = "model max_length",
 ) -> HardMax:
     """An explicit cap clamped by the model's maximum; else the model's; else unbounded.
 
     ``cap_label`` names where the cap came from in ``source`` (for example
-    ``"config kv.max_len"`` or ``"item max_context"``).
+    ``"config kv.max_len"`` or ``"item max_context"``); ``model_label`` where
+    the model's maximum did.
     """
     for name, value in (("explicit cap", explicit_cap), ("model max_length", model_max)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -36,10 +41,10 @@ def resolve_hard_max(
         if model_max is not None and explicit_cap > model_max:
             return HardMax(
                 model_max,
-                f"{cap_label} {explicit_cap} clamped by model max_length ({model_max})",
+                f"{cap_label} {explicit_cap} clamped by {model_label} ({model_max})",
                 model_max,
             )
         return HardMax(explicit_cap, f"{cap_label} {explicit_cap}", model_max)
     if model_max is not None:
-        return HardMax(model_max, f"model max_length ({model_max})", model_max)
+        return HardMax(model_max, f"{model_label} ({model_max})", model_max)
     return HardMax(None, "unbounded (model declares no maximum)", None)

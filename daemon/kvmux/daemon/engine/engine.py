@@ -25,6 +25,7 @@ from kvmux.kv import (
     failpoints,
     host_memory,
     resolve_hard_max,
+    resolve_min_bucket,
 )
 
 from ..model import ModelFormatError, ModelSpec, Tokenizer, check_session_io, load_model
@@ -117,6 +118,16 @@ class Engine:
             head_dim=self.spec.head_size,
             dtype=kv_dtype,
         )
+        self.min_bucket = resolve_min_bucket(self.options.min_bucket)
+        switch = self.spec.features.length_switch
+        if switch is not None and self.min_bucket > switch:
+            raise ModelFormatError(
+                self.spec.folder,
+                f"kv.min_bucket {self.min_bucket} is above {switch}, the length past which "
+                f"{self.spec.model_path.name} switches to its long rotary factors (it reads "
+                "the mask's width, which is the bucket): set kv.min_bucket <= "
+                f"{switch} so the switch happens at the Generator's step",
+            )
         self.budget = budget if budget is not None else MemoryBudget()
         self._ids = itertools.count(1)
         self._graph_ids = itertools.count(1)
@@ -146,10 +157,13 @@ class Engine:
         """An item's ceiling: the smaller explicit cap (item, config), clamped by the model."""
         caps = [(max_context, "item max_context"), (self.options.max_len, "config kv.max_len")]
         given = [(v, label) for v, label in caps if v is not None]
+        model = "model max_length"
+        if self.spec.features.context_cap is not None:
+            model = "model max_length, capped by its sliding window, which its graph ignores"
         if not given:
-            return resolve_hard_max(None, self.spec.context_length)
+            return resolve_hard_max(None, self.spec.context_length, model_label=model)
         cap, label = min(given)
-        return resolve_hard_max(cap, self.spec.context_length, cap_label=label)
+        return resolve_hard_max(cap, self.spec.context_length, cap_label=label, model_label=model)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Prompt text or ids to ids; every id checked against the vocabulary."""
@@ -178,12 +192,10 @@ class Engine:
                 self.kv_spec,
                 hard_max,
                 device_id=self.device_id,
-                min_bucket=self.options.min_bucket,
+                min_bucket=self.min_bucket,
                 budget=self.budget,
             )
-        return HostKvCache(
-            self.kv_spec, hard_max, min_bucket=self.options.min_bucket, budget=self.budget
-        )
+        return HostKvCache(self.kv_spec, hard_max, min_bucket=self.min_bucket, budget=self.budget)
 
     def admit(
         self,

@@ -19,6 +19,7 @@ from typing import Any, Final, Protocol
 import numpy as np
 
 from kvmux.daemon.model.errors import ModelFormatError
+from kvmux.daemon.model.features import ModelFeatures, read_features
 
 __all__ = [
     "CONFIG_FILENAME",
@@ -138,6 +139,8 @@ class ModelSpec:
     present_value_names: tuple[str, ...]
 
     search: SearchDefaults
+    #: What the graph does that kvmux relies on (attention, window, precision).
+    features: ModelFeatures
 
     @property
     def has_position_ids(self) -> bool:
@@ -154,7 +157,7 @@ class ModelSpec:
         eos = ", ".join(str(e) for e in self.eos_token_ids)
         lines = [
             f"folder:            {self.folder}",
-            f"model:             {self.model_path.name} (type {self.model_type or '?'})",
+            f"model:             {self.model_path.name} (family {self.model_type or '?'})",
             f"layers:            {self.num_layers}",
             f"heads:             {self.num_attention_heads} q / {self.num_kv_heads} kv, "
             f"head_size {self.head_size}, hidden {self.hidden_size}",
@@ -169,6 +172,7 @@ class ModelSpec:
             f"outputs:           {self.logits_name}, {self.present_key_names[0]}.., "
             f"{self.present_value_names[0]}..",
             f"search:            {self.search}",
+            *self.features.lines(),
         ]
         return "\n".join(lines)
 
@@ -275,17 +279,21 @@ def _layer_names(reader: _Reader, path: str, default: str, num_layers: int) -> t
 # --------------------------------------------------------------------------- graph IO
 
 
-def _onnx_io(folder: Path, model_path: Path) -> tuple[list[IOInfo], list[IOInfo]]:
-    """The decoder graph's inputs and outputs, read without loading external weights."""
+def _load_graph(folder: Path, model_path: Path) -> Any:
+    """The decoder's ONNX model without its external weights (the graph, IO, attributes)."""
     import onnx
-    from onnx import helper
 
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
+        return onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:
         raise ModelFormatError(
             folder, f"{model_path.name} is not a readable ONNX model ({exc})"
         ) from exc
+
+
+def _onnx_io(model: Any) -> tuple[list[IOInfo], list[IOInfo]]:
+    """The decoder graph's inputs and outputs."""
+    from onnx import helper
 
     initializers = {init.name for init in model.graph.initializer}
 
@@ -609,10 +617,18 @@ def load_model(folder: Path) -> ModelSpec:
         head_size=head_size,
         vocab_size=vocab_size,
     )
-    inputs, outputs = _onnx_io(folder, model_path)
+    # Features first: a model kvmux refuses for what it is (hybrid, another
+    # attention) gets that reason rather than a list of IO mismatches.
+    graph_model = _load_graph(folder, model_path)
+    features = read_features(folder, model_path.name, graph_model, data)
+    inputs, outputs = _onnx_io(graph_model)
     kv_dtype, logits_dtype, ids_dtype, mask_dtype, position_ids = _check_io(
         folder, names, inputs, outputs, source=f"{filename} graph"
     )
+    cap = features.context_cap
+    if cap is not None and (context_length is None or cap < context_length):
+        ctx_source = f"capped: {features.context_cap_reason}"
+        context_length = cap
 
     return ModelSpec(
         folder=folder,
@@ -644,6 +660,7 @@ def load_model(folder: Path) -> ModelSpec:
         present_key_names=names.present_key,
         present_value_names=names.present_value,
         search=search,
+        features=features,
     )
 
 
