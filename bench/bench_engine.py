@@ -69,7 +69,7 @@ def growth_share(engine: Engine, prompt: list[int], n_new: int) -> dict[str, Any
     growth_s, copied, grows = 0.0, 0, []
     t0 = time.perf_counter()
     while not s.finished:
-        if s.required_capacity() > s.cache.capacity:
+        if s.needs_growth():
             r = s.ensure_capacity()
             growth_s += r.seconds
             copied += r.bytes_copied

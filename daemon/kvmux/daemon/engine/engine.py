@@ -295,7 +295,7 @@ class Engine:
         stopped = session.stop_at_length()
         if stopped is not None:
             return stopped
-        if session.required_capacity() > session.cache.capacity:
+        if session.needs_growth():
             session.ensure_capacity()
         return RowInput(session.cache, session.next_tokens(), session.session_id)
 

@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvmux.kv import ArrayKvCache, GrowthBackend, GrowthResult, RowKvCache, ensure_capacity
+from kvmux.kv import (
+    ArrayKvCache,
+    GrowthBackend,
+    GrowthResult,
+    HardMax,
+    RowKvCache,
+    ensure_capacity,
+)
 
 from .sampling import ResolvedSampling, Sampler
 from .text import TextStream
@@ -110,6 +117,10 @@ class DecodeSession:
     @property
     def valid_len(self) -> int:
         return self.cache.valid_len
+
+    @property
+    def hard_max(self) -> HardMax:
+        return self.cache.hard_max
 
     def ensure_capacity(self) -> GrowthResult:
         backend: GrowthBackend[Any] = self.cache
