@@ -145,3 +145,35 @@ def test_a_full_cohort_opens_another() -> None:
     groups = [c.placement().group for c in caches]
     assert groups[0] == groups[1] != groups[2]
     assert [c.placement().row for c in caches] == [0, 1, 0]
+
+
+def _rss() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_memory_follows_the_rows_in_use_not_the_cohort() -> None:
+    """A 64-row cohort at 4096 tokens of a `small`-like spec reserves 4 GiB of address
+    space; two written rows make ~128 MiB resident, and a freed row gives its 64 MiB back."""
+    spec = KvSpec(num_layers=8, kv_heads=4, head_dim=64, dtype="float32")
+    pool = CohortPool(spec, rows_per_cohort=64, min_bucket=4096)
+    row_bytes = 4096 * spec.bytes_per_token
+    base = _rss()
+    caches = [pool.new_cache(HARD) for _ in range(2)]
+    for c in caches:
+        ensure_capacity(c, 4096)
+        p = c.placement()
+        for buf in [*p.keys, *p.values]:
+            buf[p.row] = 1.0  # every page of the row written, as a full context would be
+        c.advance(4096)
+    grown = _rss() - base
+    assert pool.budget.used == 2 * row_bytes
+    assert 1.5 * row_bytes < grown < 3 * row_bytes, (grown, row_bytes)
+    caches[0].release()
+    freed = _rss() - base
+    assert grown - freed > 0.8 * row_bytes, (grown, freed)
+    caches[1].release()
+    assert pool.cohorts() == []
