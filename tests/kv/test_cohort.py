@@ -177,3 +177,27 @@ def test_memory_follows_the_rows_in_use_not_the_cohort() -> None:
     assert grown - freed > 0.8 * row_bytes, (grown, freed)
     caches[1].release()
     assert pool.cohorts() == []
+
+
+def test_compact_moves_rows_down_into_holes_leaving_others_in_place() -> None:
+    rng = np.random.default_rng(7)
+    pool = _pool(rows=8)
+    caches = [pool.new_cache(HARD) for _ in range(6)]
+    refs: list[list[np.ndarray]] = [[] for _ in caches]
+    for _ in range(3):
+        for c, ref in zip(caches, refs, strict=True):
+            _write(c, rng, ref)
+    caches[1].release()
+    caches[3].release()
+    outsider = caches[4]  # growing, say: not handed to compact, so it must not move
+    members = [caches[0], caches[2], caches[5]]
+    moved = pool.compact(members)
+    assert [c.placement().row for c in members] == [0, 2, 1]
+    assert outsider.placement().row == 4
+    assert moved == 3 * SPEC.kv_bytes_per_token  # one row of 3 tokens
+    for c, ref in ((caches[0], refs[0]), (caches[2], refs[2]), (caches[5], refs[5])):
+        _assert_intact(c, ref)
+    _assert_intact(outsider, refs[4])
+    p = outsider.placement()
+    assert not p.mask[5].any() and not p.keys[0][5].any()  # the old row was cleared
+    assert pool.compact(members) == 0  # nothing left to fill below them

@@ -25,6 +25,7 @@ from __future__ import annotations
 import mmap
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,7 @@ class CohortPool:
         self.budget = budget if budget is not None else MemoryBudget()
         self._cohorts: dict[int, list[Cohort]] = {}
         self._lock = threading.Lock()
+        self.moved_bytes = 0  # copied by compact(), for benchmarks
 
     def new_cache(self, hard_max: HardMax) -> RowKvCache:
         """An empty cache (capacity 0) whose first growth claims its first row."""
@@ -147,6 +149,35 @@ class CohortPool:
     def settle(self, cohort: Cohort, row: int, owner: object) -> None:
         with self._lock:
             cohort.slots[row] = owner
+
+    def compact(self, caches: Sequence[RowKvCache]) -> int:
+        """Move rows of ``caches`` down into free rows below them; returns bytes moved.
+
+        The caller guarantees that no run and no growth is using these caches
+        (the model thread, between runs, over sessions that are not growing), so
+        their rows can move; other rows are never touched. Afterwards the rows
+        of ``caches`` that share a cohort sit as low, and so as adjacent, as the
+        rows held by others allow: one run binds them together.
+        """
+        by_cohort: dict[int, list[RowKvCache]] = {}
+        for c in caches:
+            if c._cohort is not None:
+                by_cohort.setdefault(id(c._cohort), []).append(c)
+        moved = 0
+        for members in by_cohort.values():
+            members.sort(key=lambda c: c._row, reverse=True)
+            cohort = members[0]._cohort
+            assert cohort is not None
+            for cache in members:
+                with self._lock:
+                    if None not in cohort.slots[: cache._row]:
+                        break
+                    hole = cohort.slots.index(None)
+                    cohort.slots[hole] = _RESERVED
+                    cohort.used += 1
+                moved += cache._move_to(hole)
+        self.moved_bytes += moved
+        return moved
 
     def free(self, cohort: Cohort, row: int) -> None:
         """Zero a row and take it back; a cohort with no rows left is unmapped."""
@@ -295,6 +326,20 @@ class RowKvCache(KvState):
 
     def memory(self) -> MemoryInfo | None:
         return self.budget.memory() or host_memory()
+
+    def _move_to(self, row: int) -> int:
+        """Move to ``row`` (claimed for it) of the same cohort; returns bytes copied."""
+        cohort, old, n = self._cohort, self._row, self._valid_len
+        assert cohort is not None
+        for buf in cohort.keys + cohort.values:
+            buf[row, :, :n, :] = buf[old, :, :n, :]
+        cohort.mask[row, :n] = 1
+        self.pool.settle(cohort, row, self)
+        self._row = row
+        self.capture_valid = False
+        self.capture_generation += 1
+        self.pool.free(cohort, old)
+        return n * self.spec.kv_bytes_per_token
 
     # -- addresses for binding by pointer ----------------------------------
     def ptr(self, array: Any) -> int:
