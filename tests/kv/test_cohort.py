@@ -201,3 +201,11 @@ def test_compact_moves_rows_down_into_holes_leaving_others_in_place() -> None:
     p = outsider.placement()
     assert not p.mask[5].any() and not p.keys[0][5].any()  # the old row was cleared
     assert pool.compact(members) == 0  # nothing left to fill below them
+
+
+def test_long_buckets_get_fewer_rows_per_cohort() -> None:
+    pool = _pool(rows=64)
+    assert pool.rows_for(16) == 64
+    long = 1 << 22  # a row of 1.1 GB: 64 of them would reserve 70 GB
+    assert pool.rows_for(long) == (16 << 30) // (long * SPEC.bytes_per_token) == 15
+    assert pool.rows_for(1 << 40) == 1

@@ -40,6 +40,9 @@ from ._spec import KvSpec
 
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 _RESERVED = object()  # a row claimed by a growth that has not committed
+# Address space, not memory; kept well under what a kernel with strict
+# overcommit (which ignores MAP_NORESERVE) may still grant.
+_MAX_RESERVED = 16 << 30
 
 
 class _Lazy:
@@ -121,6 +124,12 @@ class CohortPool:
         self._lock = threading.Lock()
         self.moved_bytes = 0  # copied by compact(), for benchmarks
 
+    def rows_for(self, capacity: int) -> int:
+        """Rows of a new cohort of ``capacity``: fewer for long buckets, so that one
+        cohort reserves at most ``_MAX_RESERVED`` bytes of address space."""
+        row = capacity * self.spec.bytes_per_token
+        return max(1, min(self.rows_per_cohort, _MAX_RESERVED // row))
+
     def new_cache(self, hard_max: HardMax) -> RowKvCache:
         """An empty cache (capacity 0) whose first growth claims its first row."""
         return RowKvCache(self, hard_max)
@@ -139,7 +148,7 @@ class CohortPool:
                     cohort.used += 1
                     return cohort, row
         # Mapping is outside the lock; another claim may map one too, harmlessly.
-        cohort = Cohort(self.spec, capacity, self.rows_per_cohort)
+        cohort = Cohort(self.spec, capacity, self.rows_for(capacity))
         with self._lock:
             cohort.slots[0] = _RESERVED
             cohort.used = 1
