@@ -13,6 +13,8 @@ T = TypeVar("T")
 def plan(rows: Sequence[RowInput], max_rows: int) -> list[list[int]]:
     """Indices of ``rows`` grouped into runs: adjacent decode rows of one group together
     (at most ``max_rows`` a run), every prompt chunk alone."""
+    if len(rows) == 1:
+        return [[0]]
     decode: list[tuple[int, int, int]] = []
     runs: list[list[int]] = []
     for i, r in enumerate(rows):

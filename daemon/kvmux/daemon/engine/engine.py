@@ -272,9 +272,14 @@ class Engine:
             rows = [row for _, row in feeds]
             # Rows freed by sessions that left are filled by moving the highest
             # decode rows down, so the rows that run together stay adjacent.
-            self.pool.compact(
-                [r.cache for r in rows if len(r.tokens) == 1 and isinstance(r.cache, RowKvCache)]
-            )
+            if len(rows) > 1:
+                self.pool.compact(
+                    [
+                        r.cache
+                        for r in rows
+                        if len(r.tokens) == 1 and isinstance(r.cache, RowKvCache)
+                    ]
+                )
             for run in plan(rows, self.options.max_batch):
                 results = run_isolated([rows[k] for k in run], self._run_rows)
                 for k, result in zip(run, results, strict=True):
