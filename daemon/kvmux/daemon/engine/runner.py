@@ -200,31 +200,22 @@ class ModelRunner:
         A captured CUDA graph needs fixed shapes and addresses, so with graphs
         the cache's own mask rows are bound in place at full width.
         """
-        spec, mask = self.spec, p.mask
+        mask = p.mask
         if self.graphs:
             width = p.capacity
-            if bound.mask_width != width:
-                ptr = cache.ptr(mask) + p.row * p.capacity * mask.dtype.itemsize
-                bound.io.bind_input(
-                    spec.attention_mask_name,
-                    self.device,
-                    self.device_id,
-                    mask.dtype,
-                    (n_rows, width),
-                    ptr,
-                )
-                bound.mask_width = width
-            return
-        dst = bound.mask[: n_rows * width].reshape(n_rows, width)
-        dst[...] = mask[p.row : p.row + n_rows, :width]
+            ptr = cache.ptr(mask) + p.row * p.capacity * mask.dtype.itemsize
+        else:
+            dst = bound.mask[: n_rows * width].reshape(n_rows, width)
+            dst[...] = mask[p.row : p.row + n_rows, :width]
+            ptr = cache.ptr(bound.mask)
         if bound.mask_width != width:
             bound.io.bind_input(
-                spec.attention_mask_name,
+                self.spec.attention_mask_name,
                 self.device,
                 self.device_id,
                 mask.dtype,
                 (n_rows, width),
-                cache.ptr(bound.mask),
+                ptr,
             )
             bound.mask_width = width
 
