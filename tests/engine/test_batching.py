@@ -107,16 +107,18 @@ def test_batched_tokens_and_logits_equal_solo_bit_for_bit(
 def test_sessions_of_one_bucket_decode_in_one_run_per_step(big_buffer_engine: Engine) -> None:
     engine = big_buffer_engine
     sessions = [
-        engine.new_session(prompt_ids(engine, 9, seed=i), greedy(20), session_id=f"b{i}")
+        engine.new_session(prompt_ids(engine, 3 + i, seed=i), greedy(20), session_id=f"b{i}")
         for i in range(16)
     ]
     runs = engine.runner.runs
     outs = engine.step_many(sessions, steps=20)
-    # 16 prompt runs (the last chunk samples the first token), then 19 runs of 16 rows.
-    assert engine.runner.runs - runs == 16 + 19
+    # One run of the 16 first prompts (right-padded; each samples its first
+    # token), then 19 decode runs of 16 rows.
+    assert engine.runner.runs - runs == 1 + 19
     for i, (s, out) in enumerate(zip(sessions, outs, strict=True)):
         assert not isinstance(out, Exception) and out.finished
-        assert s.generated == engine.generate(prompt_ids(engine, 9, seed=i), greedy(20)).token_ids
+        alone = engine.generate(prompt_ids(engine, 3 + i, seed=i), greedy(20))
+        assert s.generated == alone.token_ids
         s.release()
 
 
@@ -194,9 +196,11 @@ def test_rows_that_cannot_share_a_run_are_refused_before_it(engine: Engine) -> N
     full = RowInput(a.cache, [1] * (a.cache.capacity + 1), "a")
     with pytest.raises(RowsNotRunnable, match="do not fit"):
         engine.runner.run([full])
+    a.cache.advance(1)  # as if a had run a token: a prompt chunk after it has past
     chunk = RowInput(a.cache, [1, 2], "a")
-    with pytest.raises(RowsNotRunnable, match="alone"):
-        engine.runner.run([chunk, RowInput(b.cache, [3], "b")])
+    with pytest.raises(RowsNotRunnable, match="with past runs alone"):
+        engine.runner.run([chunk, RowInput(b.cache, [3, 4], "b")])
+    a.cache.truncate(0)
     assert a.cache.placement().row + 1 == b.cache.placement().row
     with pytest.raises(RowsNotRunnable, match="adjacent"):
         engine.runner.run([RowInput(b.cache, [3], "b"), RowInput(a.cache, [3], "a")])

@@ -11,31 +11,40 @@ T = TypeVar("T")
 
 
 def plan(rows: Sequence[RowInput], max_rows: int) -> list[list[int]]:
-    """Indices of ``rows`` grouped into runs: adjacent decode rows of one group together
-    (at most ``max_rows`` a run), every prompt chunk alone."""
+    """Indices of ``rows`` grouped into runs of adjacent rows of one group (at most
+    ``max_rows`` a run): decode rows together, first prompts together, and every
+    other prompt chunk alone (onnxruntime runs no prompt with past in a batch)."""
     if len(rows) == 1:
         return [[0]]
     decode: list[tuple[int, int, int]] = []
+    first: list[tuple[int, int, int]] = []
     runs: list[list[int]] = []
     for i, r in enumerate(rows):
-        if len(r.tokens) == 1:
+        if len(r.tokens) == 1 or r.cache.valid_len == 0:
             p = r.cache.placement()
-            decode.append((p.group, p.row, i))
+            (decode if len(r.tokens) == 1 else first).append((p.group, p.row, i))
         else:
             runs.append([i])
-    decode.sort()
+    runs.extend(_spans(first, max_rows))
+    runs.extend(_spans(decode, max_rows))
+    return runs
+
+
+def _spans(rows: list[tuple[int, int, int]], max_rows: int) -> list[list[int]]:
+    rows.sort()
+    spans: list[list[int]] = []
     span: list[int] = []
     last: tuple[int, int] | None = None
-    for group, row, i in decode:
+    for group, row, i in rows:
         adjacent = last is not None and last == (group, row - 1)
         if span and (not adjacent or len(span) >= max_rows):
-            runs.append(span)
+            spans.append(span)
             span = []
         span.append(i)
         last = (group, row)
     if span:
-        runs.append(span)
-    return runs
+        spans.append(span)
+    return spans
 
 
 def run_isolated(

@@ -108,7 +108,8 @@ class ModelRunner:
 
         onnxruntime fails the whole run for one bad row (and CUDA may not check
         at all), so every row is checked here: room for its tokens, one group,
-        adjacent rows, and a prompt chunk only alone.
+        adjacent rows, and a prompt chunk with past only alone (first prompts,
+        with no past, may share a run, right-padded).
         """
         if not rows:
             raise RowsNotRunnable("no rows")
@@ -124,9 +125,12 @@ class ModelRunner:
             places.append(r.cache.placement())
         if len(rows) > 1:
             first = places[0]
+            prompts = any(len(r.tokens) > 1 for r in rows)
             for i, (r, p) in enumerate(zip(rows, places, strict=True)):
-                if len(r.tokens) != 1:
-                    raise RowsNotRunnable("a prompt chunk runs alone, never with other rows")
+                if prompts and r.cache.valid_len != 0:
+                    # onnxruntime: "batch_size must be 1 when sequence_length > 1
+                    # and past context is given"; first prompts (no past) batch.
+                    raise RowsNotRunnable("a prompt chunk with past runs alone")
                 if p.group != first.group or p.row != first.row + i:
                     raise RowsNotRunnable("rows of one run must be adjacent rows of one group")
         return places
@@ -140,7 +144,7 @@ class ModelRunner:
         """
         places = self.check(rows)
         p0 = places[0]
-        n_rows, n_tok = len(rows), len(rows[0].tokens)
+        n_rows, n_tok = len(rows), max(len(r.tokens) for r in rows)
         cache0 = rows[0].cache
         if n_tok == 1:
             bound = self._decode_binding(p0, n_rows, cache0)
@@ -148,7 +152,7 @@ class ModelRunner:
                 bound.ids[i, 0] = r.tokens[0]
                 bound.pos[i, 0] = r.cache.valid_len
         else:
-            bound = self._chunk_binding(p0, rows[0].tokens, cache0)
+            bound = self._prompt_binding(p0, rows, cache0)
         starts = [r.cache.valid_len for r in rows]
         run_options = self._no_graph
         if self.graphs and n_tok == 1:
@@ -157,9 +161,13 @@ class ModelRunner:
                 bound.graph_options = self.run_options(self._graph_ids)
             run_options = bound.graph_options
         for r in rows:
-            r.cache.advance(n_tok)
+            r.cache.advance(len(r.tokens))
         longest = max(r.cache.valid_len for r in rows)
         width = min(-(-longest // _MASK_STEP) * _MASK_STEP, p0.capacity)
+        if n_tok > 1 and n_rows > 1:
+            # A mask wider than the prompts reads as past context, which
+            # onnxruntime refuses in a batch of prompts.
+            width = n_tok
         self._bind_mask(bound, p0, n_rows, width, cache0)
         if self.device == "cuda":
             # Inputs were written on CuPy's stream; onnxruntime runs on its own
@@ -177,7 +185,10 @@ class ModelRunner:
         if run_options is not self._no_graph:
             for r in rows:
                 r.cache.capture_valid = True
-        last = bound.logits[:, -1, :]
+        if n_tok == 1 or n_rows == 1:
+            last = bound.logits[:, -1, :]
+        else:  # right-padded first prompts: each row's own last token
+            last = bound.logits[self.xp.arange(n_rows), [len(r.tokens) - 1 for r in rows], :]
         if self.device == "cuda":
             last = self.xp.asnumpy(last)
         return np.asarray(last, dtype=np.float32)
@@ -252,15 +263,20 @@ class ModelRunner:
             self._bound.popitem(last=False)
         return bound
 
-    def _chunk_binding(self, p: Placement, tokens: Sequence[int], cache: RowCache) -> _Bound:
+    def _prompt_binding(self, p: Placement, rows: Sequence[RowInput], cache: RowCache) -> _Bound:
+        """Prompt chunks: one row's (after its past), or first prompts right-padded."""
         xp, spec = self.xp, self.spec
-        n, start = len(tokens), cache.valid_len
+        n_rows, width = len(rows), max(len(r.tokens) for r in rows)
+        start = cache.valid_len  # 0 for every row when there are several
+        ids_h = np.zeros((n_rows, width), dtype=spec.input_ids_dtype)
+        for i, r in enumerate(rows):
+            ids_h[i, : len(r.tokens)] = r.tokens
+        pos_h = np.broadcast_to(np.arange(start, start + width, dtype=np.int64), (n_rows, width))
         io = self.ort.session.io_binding()
-        ids = xp.asarray(np.asarray([list(tokens)], dtype=spec.input_ids_dtype))
-        pos = xp.asarray(np.arange(start, start + n, dtype=np.int64)[None, :])
-        logits = xp.empty((1, n, spec.vocab_size), dtype=spec.logits_dtype)
-        mask = xp.zeros(p.capacity, dtype=p.mask.dtype)
-        self._bind_kv(io, p, 1, cache)
+        ids, pos = xp.asarray(ids_h), xp.asarray(np.ascontiguousarray(pos_h))
+        logits = xp.empty((n_rows, width, spec.vocab_size), dtype=spec.logits_dtype)
+        mask = xp.zeros(n_rows * p.capacity, dtype=p.mask.dtype)
+        self._bind_kv(io, p, n_rows, cache)
         self._bind_io(io, ids, pos, logits, cache)
         return _Bound(io, ids, pos, logits, mask)
 
