@@ -248,7 +248,7 @@ def run_inprocess(engine: Engine, prompts: list[list[int]], n_new: int) -> Run:
     while sessions:
         ready = []
         for s in sessions.values():
-            if s.required_capacity() > s.cache.capacity and not s.at_hard_max():
+            if s.needs_growth():
                 s.ensure_capacity()
             ready.append(s)
         outputs = engine.step_many(ready)

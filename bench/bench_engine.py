@@ -69,7 +69,7 @@ def growth_share(engine: Engine, prompt: list[int], n_new: int) -> dict[str, Any
     growth_s, copied, grows = 0.0, 0, []
     t0 = time.perf_counter()
     while not s.finished:
-        if s.required_capacity() > s.cache.capacity:
+        if s.needs_growth():
             r = s.ensure_capacity()
             growth_s += r.seconds
             copied += r.bytes_copied
@@ -88,6 +88,24 @@ def growth_share(engine: Engine, prompt: list[int], n_new: int) -> dict[str, Any
         "final_kv_bytes": final_bytes,
         "copied_over_final": copied / final_bytes,
     }
+
+
+def capacity_cost(
+    small_bucket: Engine, big_bucket: Engine, prompt: list[int], repeats: int
+) -> dict[str, Any]:
+    """ms/token of the same 16 + 240-token decode bound at capacity 256 and at 4096."""
+    n_new = 240
+    times: dict[str, list[float]] = {"256": [], "4096": []}
+    seen = []
+    for _ in range(repeats):
+        for label, engine in (("256", small_bucket), ("4096", big_bucket)):
+            toks, t = kvmux_session(engine, prompt, n_new)
+            times[label].append(t / n_new)
+            seen.append(toks)
+    assert all(t == seen[0] for t in seen), "the two capacities decoded different tokens"
+    out = {f"ms_per_token_{k}": 1e3 * statistics.median(v) for k, v in times.items()}
+    out["ratio_4096_over_256"] = out["ms_per_token_4096"] / out["ms_per_token_256"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kvmux DecodeSession':<28}{kv_tps:>10.1f}")
     print(f"ratio kvmux / bare = {kv_tps / bare_tps:.3f}  (goal >= 0.95; same tokens checked)")
 
+    big = Engine(builtin("small"), EngineOptions(intra_op_threads=args.threads, min_bucket=4096))
+    cap = capacity_cost(engine, big, prompt, repeats)
+    print(
+        f"16 + 240 tokens bound at capacity 256: {cap['ms_per_token_256']:.2f} ms/token; at 4096: "
+        f"{cap['ms_per_token_4096']:.2f} ms/token (x{cap['ratio_4096_over_256']:.3f})"
+    )
+
     g = growth_share(engine, prompt, long_n)
     print(
         f"growth over a {long_n}-token decode: {g['growth_s'] * 1e3:.1f} ms of "
@@ -137,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "kvmux_tokens_per_s": kv_tps,
             "ratio": kv_tps / bare_tps,
             "growth": g,
+            "capacity_cost": cap,
         },
     )
     print(f"written {path}")

@@ -8,8 +8,11 @@ through ``Config.overlay``), measured interleaved in one run:
 
 - one session: kvmux's engine (``DecodeSession``) vs a Generator of batch 1;
 - N sessions: kvmux's engine stepping all N (``step_many``, as the daemon's
-  scheduler does), kvmux through ``kvmuxd`` (a subprocess), vs the Generator
-  running the N prompts one after another, and as one static batch of N.
+  scheduler does: the rows of one cohort in one run), the same engine with
+  ``max_batch=1`` (every session its own run: the time-sliced engine before
+  batched decode), kvmux through ``kvmuxd`` (a subprocess), vs the Generator
+  running the N prompts one after another (N <= 16), and as one static batch
+  of N.
 
 Prompts are screened so that every one decodes its full ``max_new_tokens``
 without reaching eos: both systems do exactly the same work, and tokens are
@@ -38,6 +41,7 @@ from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
 from tests.genai import genai_fixture as gf
 
 PROMPT_LEN = 16
+MAX_BATCH = 32  # the Generator refuses batch_size > 32 ("must be in [1, 32]")
 N_NEW = 240  # prompt + new = 256: the Generator's buffer and kvmux's first bucket agree
 
 # "fixture" is the test suite's model as is; "small" widens it toward the
@@ -92,6 +96,15 @@ class GenaiPeer:
             steps += 1
         return out, time.perf_counter() - t0
 
+    def batches(self, prompts: list[list[int]], n_new: int) -> tuple[list[list[int]], float]:
+        """Static batches of at most ``MAX_BATCH`` rows (the Generator's own limit), one
+        after another."""
+        t0 = time.perf_counter()
+        out: list[list[int]] = []
+        for i in range(0, len(prompts), MAX_BATCH):
+            out.extend(self.batch(prompts[i : i + MAX_BATCH], n_new)[0])
+        return out, time.perf_counter() - t0
+
     def sequential(self, prompts: list[list[int]], n_new: int) -> tuple[list[list[int]], float]:
         t0 = time.perf_counter()
         out = [self.batch([pr], n_new)[0][0] for pr in prompts]
@@ -116,9 +129,12 @@ def tps(tokens: int, walls: list[float]) -> float:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args.size)
-    repeats = 3 if args.quick else 5
-    sizes = [4] if args.quick else [4, 16]
+    repeats = args.repeats or (3 if args.quick else 5)
+    sizes = [4] if args.quick else [int(x) for x in args.sizes.split(",")]
     engine = Engine(model, EngineOptions(intra_op_threads=args.threads, min_bucket=256))
+    sliced = Engine(
+        model, EngineOptions(intra_op_threads=args.threads, min_bucket=256, max_batch=1)
+    )
     peer = GenaiPeer(model, args.threads)
     spec = engine.spec
     print(
@@ -163,14 +179,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         await run_daemon(client, one, 8)
         for n in sizes:
             prompts = prompts_all[:n]
-            walls: dict[str, list[float]] = {k: [] for k in ("engine", "daemon", "seq", "batch")}
+            order = ["engine", "sliced", "daemon", "seq", "batch"]
+            if n > 16:
+                order.remove("seq")  # minutes per repeat, and known to be slowest
+            walls: dict[str, list[float]] = {k: [] for k in order}
             want: list[list[int]] | None = None
             for rep in range(repeats):
-                order = ["engine", "daemon", "seq", "batch"]
-                for side in order[rep % 4 :] + order[: rep % 4]:
-                    if side == "engine":
+                k = rep % len(order)
+                for side in order[k:] + order[:k]:
+                    if side in ("engine", "sliced"):
                         r: Run = await anyio.to_thread.run_sync(
-                            run_inprocess, engine, prompts, N_NEW
+                            run_inprocess, engine if side == "engine" else sliced, prompts, N_NEW
                         )
                         toks, w = [r.tokens[i] for i in range(n)], r.wall
                     elif side == "daemon":
@@ -179,7 +198,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     elif side == "seq":
                         toks, w = await anyio.to_thread.run_sync(peer.sequential, prompts, N_NEW)
                     else:
-                        toks, w = await anyio.to_thread.run_sync(peer.batch, prompts, N_NEW)
+                        toks, w = await anyio.to_thread.run_sync(peer.batches, prompts, N_NEW)
                     want = want or toks
                     if toks != want:
                         raise AssertionError(f"N={n}: {side} decoded other tokens")
@@ -187,18 +206,22 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             total = n * N_NEW
             row = {"n": n, **{f"{k}_tokens_per_s": tps(total, v) for k, v in walls.items()}}
             rows.append(row)
+            print(f"N={n}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "n"))
     result["rows"] = rows
     print(
-        f"\n{'N':>3}{'kvmux engine':>14}{'kvmux daemon':>14}{'genai seq':>11}{'genai batch':>13}"
-        f"{'engine/seq':>12}{'engine/batch':>14}{'daemon/batch':>14}   (tokens/s)"
+        f"\n{'N':>3}{'kvmux engine':>14}{'time-sliced':>13}{'kvmux daemon':>14}{'genai seq':>11}"
+        f"{'genai batch':>13}{'engine/batch':>14}{'sliced/batch':>14}{'daemon/batch':>14}"
+        "   (tokens/s)"
     )
     for row in rows:
+        batch = row["batch_tokens_per_s"]
+        seq = row.get("seq_tokens_per_s")
         print(
-            f"{row['n']:>3}{row['engine_tokens_per_s']:>14.1f}{row['daemon_tokens_per_s']:>14.1f}"
-            f"{row['seq_tokens_per_s']:>11.1f}{row['batch_tokens_per_s']:>13.1f}"
-            f"{row['engine_tokens_per_s'] / row['seq_tokens_per_s']:>12.3f}"
-            f"{row['engine_tokens_per_s'] / row['batch_tokens_per_s']:>14.3f}"
-            f"{row['daemon_tokens_per_s'] / row['batch_tokens_per_s']:>14.3f}"
+            f"{row['n']:>3}{row['engine_tokens_per_s']:>14.1f}{row['sliced_tokens_per_s']:>13.1f}"
+            f"{row['daemon_tokens_per_s']:>14.1f}{'-' if seq is None else f'{seq:.1f}':>11}"
+            f"{batch:>13.1f}{row['engine_tokens_per_s'] / batch:>14.3f}"
+            f"{row['sliced_tokens_per_s'] / batch:>14.3f}"
+            f"{row['daemon_tokens_per_s'] / batch:>14.3f}"
         )
     return result
 
@@ -208,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="N = 4 only, fewer repeats")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: each default)")
     ap.add_argument("--size", default="fixture", choices=sorted(SIZES))
+    ap.add_argument("--sizes", default="4,16", help="session counts N, comma-separated")
+    ap.add_argument("--repeats", type=int, default=0, help="runs per side (0: 5, --quick 3)")
     args = ap.parse_args(argv)
     result = anyio.run(bench, args)
     path = write_json(f"genai-{args.size}", result)

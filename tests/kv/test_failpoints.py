@@ -105,3 +105,14 @@ def test_a_slowed_failpoint_sleeps_without_failing() -> None:
         failpoints.slow("kv.nope", 1.0)
     with pytest.raises(KvConfigError, match="positive"):
         failpoints.slow("kv.allocate", 0.0)
+
+
+def test_keyed_failpoint_fails_only_hits_naming_its_key() -> None:
+    failpoints.arm("kv.allocate", 1, key="s2")
+    failpoints.hit("kv.allocate")  # names no key
+    failpoints.hit("kv.allocate", ["s1", "s3"])
+    assert failpoints.armed() == {"kv.allocate": 1}  # a miss spends nothing
+    with pytest.raises(InjectedFault, match=r"kv\.allocate@s2"):
+        failpoints.hit("kv.allocate", ["s1", "s2"])
+    failpoints.hit("kv.allocate", ["s2"])
+    assert failpoints.parse_spec("kv.allocate@job/3=2") == {"kv.allocate@job/3": 2}

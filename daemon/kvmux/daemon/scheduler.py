@@ -565,7 +565,7 @@ class Scheduler:
                 continue
             session = state.session
             assert session is not None
-            if session.required_capacity() > session.cache.capacity and not session.at_hard_max():
+            if session.needs_growth():
                 state.phase = "growing"
                 assert self._tg is not None
                 self._tg.start_soon(self._grow, state)
@@ -606,7 +606,7 @@ class Scheduler:
             assert session is not None
             if session.prefilling or state.cancel_with is not None:
                 return 1
-            steps = min(steps, session.cache.capacity - session.cache.valid_len)
+            steps = min(steps, session.room())
         return max(1, steps)
 
     def _settle(self) -> None:
@@ -739,7 +739,7 @@ class Scheduler:
                 session_id=session.session_id,
                 index=state.index,
                 prompt_tokens=len(session.prompt_ids),
-                hard_max=session.cache.hard_max.value,
+                hard_max=session.hard_max.value,
             )
             self._emit(
                 state.job,
@@ -910,8 +910,8 @@ class Scheduler:
         session = state.session
         capacity = 0
         if session is not None:
-            freed = session.cache.nbytes
-            capacity = session.cache.capacity
+            freed = session.kv_bytes
+            capacity = session.capacity
             session.release()
             state.session = None
         if state in self._active:
@@ -1081,9 +1081,9 @@ class Scheduler:
                     job_id=state.job.job_id,
                     index=state.index,
                     state=state.phase,
-                    capacity=session.cache.capacity,
-                    valid_len=session.cache.valid_len,
-                    kv_bytes=session.cache.nbytes,
+                    capacity=session.capacity,
+                    valid_len=session.valid_len,
+                    kv_bytes=session.kv_bytes,
                 )
             )
         return out

@@ -12,6 +12,7 @@ from ._backend import GrowthBackend, GrowthResult
 from ._bucket import DEFAULT_MIN_BUCKET, MIN_BUCKET_ENV, capacity_bucket, resolve_min_bucket
 from ._budget import MemoryBudget, MemoryInfo, host_memory
 from ._buffers import ArrayKvCache, StagedBuffers
+from ._cohort import Cohort, CohortPool, RowKvCache, StagedRow
 from ._cuda import CudaKvCache, cuda_memory, cuda_unavailable_reason
 from ._driver import classify_cause, ensure_capacity
 from ._errors import (
@@ -25,6 +26,7 @@ from ._errors import (
 )
 from ._hardmax import HardMax, resolve_hard_max
 from ._host import HostKvCache
+from ._placement import Placement
 from ._spec import KvSpec
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "ArrayKvCache",
     "BudgetExceeded",
     "CapacityExceeded",
+    "Cohort",
+    "CohortPool",
     "CudaKvCache",
     "GrowthBackend",
     "GrowthFailed",
@@ -45,7 +49,10 @@ __all__ = [
     "KvSpec",
     "MemoryBudget",
     "MemoryInfo",
+    "Placement",
+    "RowKvCache",
     "StagedBuffers",
+    "StagedRow",
     "capacity_bucket",
     "classify_cause",
     "cuda_memory",

@@ -8,6 +8,7 @@ from typing import Any
 from ._bucket import resolve_min_bucket
 from ._budget import MemoryBudget, MemoryInfo
 from ._hardmax import HardMax
+from ._placement import Placement, new_group
 from ._spec import KvSpec
 
 
@@ -24,7 +25,44 @@ class StagedBuffers:
     released: bool = field(default=False)
 
 
-class ArrayKvCache:
+class KvState:
+    """What the growth driver and the scheduler read of any cache, whatever its layout."""
+
+    spec: KvSpec
+    _hard_max: HardMax
+    _min_bucket: int
+    _capacity: int
+    _valid_len: int
+    _nbytes: int
+
+    # -- state the driver reads ------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def valid_len(self) -> int:
+        return self._valid_len
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.spec.bytes_per_token
+
+    @property
+    def hard_max(self) -> HardMax:
+        return self._hard_max
+
+    @property
+    def min_bucket(self) -> int:
+        return self._min_bucket
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the live buffers (K, V and mask)."""
+        return self._nbytes
+
+
+class ArrayKvCache(KvState):
     """Per-layer K and V buffers ``[1, kv_heads, capacity, head_dim]`` plus a mask.
 
     ``xp`` is NumPy or CuPy: slicing assignment is a strided host copy in one
@@ -64,32 +102,7 @@ class ArrayKvCache:
         # an older generation must not be replayed.
         self.capture_generation = 0
         self.capture_valid = False
-
-    # -- state the driver reads ------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def valid_len(self) -> int:
-        return self._valid_len
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.spec.bytes_per_token
-
-    @property
-    def hard_max(self) -> HardMax:
-        return self._hard_max
-
-    @property
-    def min_bucket(self) -> int:
-        return self._min_bucket
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the live buffers (K, V and mask)."""
-        return self._nbytes
+        self._group = new_group()
 
     # -- the session's own bookkeeping ------------------------------------
     def advance(self, n: int) -> None:
@@ -117,6 +130,7 @@ class ArrayKvCache:
         self._capacity = self._valid_len = self._nbytes = 0
         self.capture_valid = False
         self.capture_generation += 1
+        self._group = new_group()
 
     # -- growth primitives -----------------------------------------------
     def allocate(self, new_capacity: int) -> StagedBuffers:
@@ -160,6 +174,7 @@ class ArrayKvCache:
         self._capacity = staged.capacity
         self._nbytes = staged.nbytes
         self.capture_generation += 1
+        self._group = new_group()
         self.budget.release(old_nbytes)
 
     def discard(self, staged: StagedBuffers) -> None:
@@ -171,6 +186,10 @@ class ArrayKvCache:
 
     def memory(self) -> MemoryInfo | None:
         return self.budget.memory()
+
+    def placement(self) -> Placement:
+        """Its own buffers, one row: a group of one that a runner binds alone."""
+        return Placement(self._group, 0, 1, self._capacity, self.keys, self.values, self.mask)
 
     # -- addresses for binding by pointer ----------------------------------
     def ptr(self, array: Any) -> int:

@@ -2,8 +2,10 @@
 
 ``KVMUX_FAILPOINTS="kv.copy_prefix"`` fails that step every time;
 ``"kv.copy_prefix=2,kv.allocate=1"`` fails the next two copies and the next
-allocation. :func:`slow` makes a step sleep instead of fail, to hold a race
-window open in tests. Unarmed, :func:`hit` is two truthiness tests of empty dicts.
+allocation. ``"engine.run@s7"`` fails only hits that name the key ``s7`` (a
+batched run that holds session ``s7``'s row, say). :func:`slow` makes a step
+sleep instead of fail, to hold a race window open in tests. Unarmed,
+:func:`hit` is two truthiness tests of empty dicts.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from ._errors import InjectedFault, KvConfigError
@@ -22,6 +24,7 @@ ALWAYS = -1
 _known: set[str] = {"kv.allocate", "kv.copy_prefix", "kv.build_mask", "kv.invalidate_capture"}
 _armed: dict[str, int] = {}
 _slow: dict[str, float] = {}
+_keys: dict[str, str] = {}
 _lock = threading.Lock()
 
 
@@ -34,14 +37,21 @@ def known() -> frozenset[str]:
     return frozenset(_known)
 
 
-def arm(name: str, times: int = ALWAYS) -> None:
-    """Fail ``name`` the next ``times`` hits (``ALWAYS``: until disarmed)."""
+def arm(name: str, times: int = ALWAYS, *, key: str | None = None) -> None:
+    """Fail ``name`` the next ``times`` hits (``ALWAYS``: until disarmed).
+
+    With ``key``, only hits that name that key count (and fail).
+    """
     if name not in _known:
         raise KvConfigError(f"unknown failpoint {name!r}; known: {', '.join(sorted(_known))}")
     if times != ALWAYS and times <= 0:
         raise KvConfigError(f"failpoint {name} count must be positive, got {times}")
     with _lock:
         _armed[name] = times
+        if key is None:
+            _keys.pop(name, None)
+        else:
+            _keys[name] = key
 
 
 def slow(name: str, seconds: float) -> None:
@@ -60,9 +70,11 @@ def disarm(name: str | None = None) -> None:
         if name is None:
             _armed.clear()
             _slow.clear()
+            _keys.clear()
         else:
             _armed.pop(name, None)
             _slow.pop(name, None)
+            _keys.pop(name, None)
 
 
 def armed() -> dict[str, int]:
@@ -71,17 +83,18 @@ def armed() -> dict[str, int]:
 
 
 @contextmanager
-def armed_for(name: str, times: int = ALWAYS) -> Iterator[None]:
+def armed_for(name: str, times: int = ALWAYS, *, key: str | None = None) -> Iterator[None]:
     """Arm ``name`` inside a ``with`` block only."""
-    arm(name, times)
+    arm(name, times, key=key)
     try:
         yield
     finally:
         disarm(name)
 
 
-def hit(name: str) -> None:
-    """Sleep if ``name`` is slowed; raise :class:`InjectedFault` if it is armed."""
+def hit(name: str, keys: Iterable[str] = ()) -> None:
+    """Sleep if ``name`` is slowed; raise :class:`InjectedFault` if it is armed
+    (for one of ``keys``, when it was armed with a key)."""
     if _slow:
         delay = _slow.get(name)
         if delay is not None:
@@ -92,34 +105,39 @@ def hit(name: str) -> None:
         remaining = _armed.get(name)
         if remaining is None:
             return
+        key = _keys.get(name)
+        if key is not None and key not in keys:
+            return
         if remaining != ALWAYS:
             if remaining <= 1:
                 del _armed[name]
             else:
                 _armed[name] = remaining - 1
-    raise InjectedFault(name)
+    raise InjectedFault(name if key is None else f"{name}@{key}")
 
 
 def parse_spec(spec: str) -> dict[str, int]:
-    """Parse ``"a,b=2"`` into ``{"a": ALWAYS, "b": 2}``; errors name the bad part."""
+    """Parse ``"a,b=2,c@k"`` into ``{"a": ALWAYS, "b": 2, "c@k": ALWAYS}``; errors name the bad
+    part."""
     parsed: dict[str, int] = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
-        name, sep, count = part.partition("=")
-        name = name.strip()
+        target, sep, count = part.partition("=")
+        name, _, key = target.strip().partition("@")
+        target = name if not key else f"{name}@{key}"
         if name not in _known:
             raise KvConfigError(
                 f"{ENV}: unknown failpoint {name!r}; known: {', '.join(sorted(_known))}"
             )
         if not sep:
-            parsed[name] = ALWAYS
+            parsed[target] = ALWAYS
             continue
         if not count.strip().isdigit() or int(count) <= 0:
             raise KvConfigError(
                 f"{ENV}: count for {name} must be a positive integer, got {count!r}"
             )
-        parsed[name] = int(count)
+        parsed[target] = int(count)
     return parsed
 
 
@@ -150,8 +168,9 @@ def arm_from_env() -> dict[str, int]:
     """Arm what ``KVMUX_FAILPOINTS`` names; an invalid spec is an error, not ignored."""
     spec = os.environ.get(ENV, "")
     parsed = parse_spec(spec)
-    for name, times in parsed.items():
-        arm(name, times)
+    for target, times in parsed.items():
+        name, _, key = target.partition("@")
+        arm(name, times, key=key or None)
     return parsed
 
 

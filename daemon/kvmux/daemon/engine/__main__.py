@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         copied = 0
         t0 = time.perf_counter()
         while not session.finished:
-            if session.required_capacity() > session.cache.capacity and not session.at_hard_max():
+            if session.needs_growth():
                 grown = session.ensure_capacity()
                 buckets.append(grown.new_capacity)
                 copied += grown.bytes_copied

@@ -12,13 +12,14 @@ import numpy as np
 import structlog
 
 from kvmux.kv import (
-    ArrayKvCache,
+    CohortPool,
     CudaKvCache,
+    GrowthBackend,
     HardMax,
-    HostKvCache,
     KvSpec,
     MemoryBudget,
     MemoryInfo,
+    RowKvCache,
     classify_cause,
     cuda_memory,
     ensure_capacity,
@@ -29,13 +30,14 @@ from kvmux.kv import (
 )
 
 from ..model import ModelFormatError, ModelSpec, Tokenizer, check_session_io, load_model
+from .batching import plan, run_isolated
 from .errors import BadPrompt, RunFailed
+from .runner import ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
-from .session import Completion, DecodeSession, StepOutput
+from .session import Completion, DecodeSession, KvCache, StepOutput
 
 log = structlog.get_logger("kvmux.engine")
-failpoints.register("engine.run")
 failpoints.register("engine.step")
 
 _KV_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
@@ -61,19 +63,29 @@ class EngineOptions:
     min_bucket: int | None = None
     max_len: int | None = None
     cuda_graph: bool = False
+    #: Rows of one cohort buffer: the most sessions of one bucket one run decodes.
+    rows_per_cohort: int = 64
+    #: The most rows of one run; 1 decodes every session in a run of its own.
+    max_batch: int = 64
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.rows_per_cohort < 1 or self.max_batch < 1:
+            raise ValueError(
+                f"rows_per_cohort and max_batch must be >= 1, got "
+                f"{self.rows_per_cohort} and {self.max_batch}"
+            )
 
 
 class Engine:
-    """Loads a model folder and creates :class:`DecodeSession` objects on it.
+    """Loads a model folder, creates :class:`DecodeSession` objects on it and steps them.
 
-    On CPU the KV buffers are :class:`~kvmux.kv.HostKvCache`; with the CUDA
-    provider they are :class:`~kvmux.kv.CudaKvCache`, bound by device pointer.
-    Every session's buffers are charged to one :class:`~kvmux.kv.MemoryBudget`
-    so KV bytes in use are known across sessions.
+    On CPU a session's KV is a row of a cohort (:class:`~kvmux.kv.CohortPool`,
+    one per bucket capacity), so the ready sessions of one bucket decode in one
+    run; with the CUDA provider each session has its own
+    :class:`~kvmux.kv.CudaKvCache` (a cohort of one), bound by device pointer.
+    Every session's KV is charged to one :class:`~kvmux.kv.MemoryBudget`.
     """
 
     def __init__(
@@ -129,20 +141,26 @@ class Engine:
                 f"{switch} so the switch happens at the Generator's step",
             )
         self.budget = budget if budget is not None else MemoryBudget()
+        self.pool = CohortPool(
+            self.kv_spec,
+            rows_per_cohort=self.options.rows_per_cohort,
+            min_bucket=self.min_bucket,
+            budget=self.budget,
+        )
         self._ids = itertools.count(1)
-        self._graph_ids = itertools.count(1)
-        self._no_graph = self.run_options(-1)
+        xp: Any = np
+        if self.on_cuda:
+            import cupy
 
-    def run_options(self, graph_id: int) -> Any:
-        """Run options naming a CUDA graph id (-1: run without a graph)."""
-        ro = self.ort.ort.RunOptions()
-        ro.add_run_config_entry("gpu_graph_id", str(graph_id))
-        return ro
-
-    def next_graph_id(self) -> int:
-        """A fresh CUDA graph id: a graph is bound to buffer addresses, so every
-        (session, buffer generation) pair needs its own."""
-        return next(self._graph_ids)
+            xp = cupy
+        self.runner = ModelRunner(
+            self.ort,
+            self.spec,
+            xp=xp,
+            device="cuda" if self.on_cuda else "cpu",
+            device_id=self.device_id,
+            graphs=self.graphs_enabled,
+        )
 
     @property
     def graphs_enabled(self) -> bool:
@@ -186,7 +204,7 @@ class Engine:
             raise BadPrompt("prompt is empty")
         return ids
 
-    def new_cache(self, hard_max: HardMax) -> ArrayKvCache:
+    def new_cache(self, hard_max: HardMax) -> KvCache:
         if self.on_cuda:
             return CudaKvCache(
                 self.kv_spec,
@@ -195,7 +213,7 @@ class Engine:
                 min_bucket=self.min_bucket,
                 budget=self.budget,
             )
-        return HostKvCache(self.kv_spec, hard_max, min_bucket=self.min_bucket, budget=self.budget)
+        return self.pool.new_cache(hard_max)
 
     def admit(
         self,
@@ -217,7 +235,8 @@ class Engine:
         if hard_max.value is not None and len(ids) > hard_max.value:
             # A cache of capacity 0 holds no memory; the driver raises the
             # error with its full diagnostics before allocating anything.
-            ensure_capacity(self.new_cache(hard_max), len(ids))
+            empty: GrowthBackend[Any] = self.new_cache(hard_max)
+            ensure_capacity(empty, len(ids))
         return Admission(ids, sampling, hard_max)
 
     def open_session(self, admission: Admission, session_id: str | None = None) -> DecodeSession:
@@ -241,34 +260,69 @@ class Engine:
     def step_many(
         self, sessions: Sequence[DecodeSession], steps: int = 1
     ) -> list[StepOutput | Exception]:
-        """``steps`` steps of each ready session, merged per session; a failure is its entry.
+        """``steps`` steps of each session, merged per session; a failure is its entry.
 
-        A session that finishes or fails stops there; the others go on. The
-        caller makes sure each session has room for ``steps`` tokens. The
-        scheduler hands over the whole ready set, so running several sessions
-        as one batched model run is a change here, not there.
+        Each step, the decode rows of one cohort that sit in adjacent rows run
+        as one batch; every prompt chunk runs alone. A session that finishes or
+        fails stops there; the others go on, with the tokens they would have
+        had alone. A session whose step does not fit its bucket grows here, on
+        this thread (the daemon grows sessions before, under its growth lock).
         """
         out: list[StepOutput | Exception] = [StepOutput() for _ in sessions]
         live = list(range(len(sessions)))
         for _ in range(steps):
-            still = []
+            feeds: list[tuple[int, RowInput]] = []
             for i in live:
                 try:
                     failpoints.hit("engine.step")
-                    step = sessions[i].step()
+                    feed = self._feed(sessions[i])
                 except Exception as exc:  # noqa: BLE001 - the scheduler fails that item alone
                     out[i] = exc
                     continue
-                merged = out[i]
-                assert isinstance(merged, StepOutput)
-                merged.token_ids.extend(step.token_ids)
-                merged.text += step.text
-                if step.finished:
-                    merged.finished, merged.finish_reason = True, step.finish_reason
+                if isinstance(feed, StepOutput):
+                    _merge(out[i], feed)
                 else:
-                    still.append(i)
-            live = still
+                    feeds.append((i, feed))
+            rows = [row for _, row in feeds]
+            # Rows freed by sessions that left are filled by moving the highest
+            # decode rows down, so the rows that run together stay adjacent.
+            if len(rows) > 1:
+                self.pool.compact(
+                    [
+                        r.cache
+                        for r in rows
+                        if len(r.tokens) == 1 and isinstance(r.cache, RowKvCache)
+                    ]
+                )
+            for run in plan(rows, self.options.max_batch):
+                results = run_isolated([rows[k] for k in run], self._run_rows)
+                for k, result in zip(run, results, strict=True):
+                    i = feeds[k][0]
+                    session = sessions[i]
+                    try:
+                        if isinstance(result, Exception):
+                            raise self.translate_run_error(result, session, len(rows[k].tokens))
+                        step = session.took(len(rows[k].tokens), result)
+                    except Exception as exc:  # noqa: BLE001 - that item fails alone
+                        out[i] = exc
+                        continue
+                    _merge(out[i], step)
+            live = [i for i in live if _going(out[i])]
         return out
+
+    def _run_rows(self, rows: Sequence[RowInput]) -> list[np.ndarray[Any, Any]]:
+        return list(self.runner.run(rows))
+
+    def _feed(self, session: DecodeSession) -> RowInput | StepOutput:
+        """The row a session's next step runs, or its end when it has nothing to run."""
+        if session.finished:
+            raise RuntimeError(f"session {session.session_id} already finished")
+        stopped = session.stop_at_length()
+        if stopped is not None:
+            return stopped
+        if session.needs_growth():
+            session.ensure_capacity()
+        return RowInput(session.cache, session.next_tokens(), session.session_id)
 
     def generate(
         self,
@@ -297,10 +351,6 @@ class Engine:
             return None
 
     # -- runs -------------------------------------------------------------------
-    def run(self, io: Any, run_options: Any = None) -> None:
-        failpoints.hit("engine.run")
-        self.ort.session.run_with_iobinding(io, run_options or self._no_graph)
-
     def translate_run_error(self, exc: Exception, session: DecodeSession, n: int) -> RunFailed:
         cause = classify_cause(exc)
         mem = session.cache.memory()
@@ -318,3 +368,15 @@ class Engine:
                 "session_unchanged": True,
             },
         )
+
+
+def _going(out: StepOutput | Exception) -> bool:
+    return isinstance(out, StepOutput) and not out.finished
+
+
+def _merge(into: StepOutput | Exception, step: StepOutput) -> None:
+    assert isinstance(into, StepOutput)
+    into.token_ids.extend(step.token_ids)
+    into.text += step.text
+    if step.finished:
+        into.finished, into.finish_reason = True, step.finish_reason

@@ -1,4 +1,4 @@
-"""One decode session: an onnxruntime run per step over a growing, shared KV buffer."""
+"""One decode session: the sequence state of one item, decoded on a growing KV cache."""
 
 from __future__ import annotations
 
@@ -7,13 +7,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvmux.kv import ArrayKvCache, GrowthResult, ensure_capacity
+from kvmux.kv import (
+    ArrayKvCache,
+    GrowthBackend,
+    GrowthResult,
+    HardMax,
+    RowKvCache,
+    ensure_capacity,
+)
 
 from .sampling import ResolvedSampling, Sampler
 from .text import TextStream
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+# A session's own buffers (CUDA, or a cache a test builds), or a row of a cohort.
+KvCache = ArrayKvCache | RowKvCache
 
 
 @dataclass(slots=True)
@@ -39,14 +49,13 @@ class Completion:
 
 
 class DecodeSession:
-    """Prefill (in chunks), then one token per step, on a :mod:`kvmux.kv` cache.
+    """One item's sequence state: prompt, pending token, sampling, stop strings, the end.
 
-    The same buffer is bound as ``past_key_values.i.*`` and ``present.i.*``: the
-    model writes only the new rows. Before every run the host checks that the
-    step fits the capacity and grows through :func:`kvmux.kv.ensure_capacity`
-    if it does not — the run itself never writes past a buffer. A caller that
-    grows first (through :meth:`ensure_capacity`, e.g. under a growth lock)
-    makes that check a no-op.
+    It owns no execution: the engine asks it what to feed (:meth:`next_tokens`),
+    runs that through its model runner on the session's KV cache, and hands the
+    logits back (:meth:`took`). Growth goes through :func:`kvmux.kv.ensure_capacity`
+    on :attr:`cache`; the scheduler reads only :meth:`needs_growth`, :meth:`room`
+    and :attr:`kv_bytes`.
     """
 
     def __init__(
@@ -54,7 +63,7 @@ class DecodeSession:
         engine: Engine,
         prompt_ids: list[int],
         sampling: ResolvedSampling,
-        cache: ArrayKvCache,
+        cache: KvCache,
         session_id: str = "",
     ) -> None:
         self.engine = engine
@@ -67,18 +76,10 @@ class DecodeSession:
         self.generated: list[int] = []
         self.finished = False
         self.finish_reason: str | None = None
+        self._eos = engine.spec.eos_token_ids
+        self._chunk = engine.options.prefill_chunk
         self._prompt_pos = 0
         self._pending: int | None = None
-        self._io = engine.ort.session.io_binding()
-        self._bound_generation = -1
-        self._graph_options: Any = None
-        self._decode_io_bound = False
-        self._xp = cache.xp
-        self._device = "cuda" if engine.on_cuda else "cpu"
-        spec = engine.spec
-        self._logits_1 = self._xp.empty((1, 1, spec.vocab_size), dtype=spec.logits_dtype)
-        self._ids_1 = self._xp.empty((1, 1), dtype=spec.input_ids_dtype)
-        self._pos_1 = self._xp.empty((1, 1), dtype=np.int64)
 
     # -- what the scheduler asks -----------------------------------------
     @property
@@ -87,7 +88,7 @@ class DecodeSession:
 
     def next_chunk_len(self) -> int:
         if self.prefilling:
-            return min(len(self.prompt_ids) - self._prompt_pos, self.engine.options.prefill_chunk)
+            return min(len(self.prompt_ids) - self._prompt_pos, self._chunk)
         return 1
 
     def required_capacity(self) -> int:
@@ -97,35 +98,70 @@ class DecodeSession:
         hard = self.cache.hard_max.value
         return hard is not None and self.required_capacity() > hard
 
-    def ensure_capacity(self) -> GrowthResult:
-        return ensure_capacity(self.cache, self.required_capacity())
+    def needs_growth(self) -> bool:
+        """Its next step does not fit its bucket, and growing is allowed (below the hard max)."""
+        return self.required_capacity() > self.cache.capacity and not self.at_hard_max()
 
-    # -- one step -----------------------------------------------------------
-    def step(self) -> StepOutput:
-        if self.finished:
-            raise RuntimeError(f"session {self.session_id} already finished")
-        if not self.prefilling and self.at_hard_max():
-            # The context is full: stop like a length limit (as vLLM does at
-            # max_model_len). Prompts over the limit were refused at admission.
-            return self._finish("length")
-        if self.required_capacity() > self.cache.capacity:
-            self.ensure_capacity()
+    def room(self) -> int:
+        """Tokens its bucket still holds."""
+        return self.cache.capacity - self.cache.valid_len
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    @property
+    def valid_len(self) -> int:
+        return self.cache.valid_len
+
+    @property
+    def hard_max(self) -> HardMax:
+        return self.cache.hard_max
+
+    def ensure_capacity(self) -> GrowthResult:
+        backend: GrowthBackend[Any] = self.cache
+        return ensure_capacity(backend, self.required_capacity())
+
+    # -- one step, as the engine drives it ------------------------------------
+    def next_tokens(self) -> list[int]:
+        """What the next run feeds this session: a prompt chunk, or the last sampled token."""
         if self.prefilling:
-            n = self.next_chunk_len()
-            chunk = self.prompt_ids[self._prompt_pos : self._prompt_pos + n]
-            logits = self._run(chunk)
+            return self.prompt_ids[self._prompt_pos : self._prompt_pos + self.next_chunk_len()]
+        assert self._pending is not None
+        return [self._pending]
+
+    def took(self, n: int, logits: np.ndarray[Any, Any]) -> StepOutput:
+        """A run fed the ``n`` tokens of :meth:`next_tokens`; ``logits`` are its last position's."""
+        if self.prefilling:
             self._prompt_pos += n
             if self.prefilling:
                 return StepOutput()
-        else:
-            assert self._pending is not None
-            logits = self._run([self._pending])
-        token = self.sampler(logits)
-        return self._accept(token)
+        return self._accept(self.sampler(logits))
+
+    def stop_at_length(self) -> StepOutput | None:
+        """Finish with "length" when the context is full (as vLLM does at max_model_len).
+
+        Prompts over the limit were refused at admission, so only decoding gets here.
+        """
+        if not self.prefilling and self.at_hard_max():
+            return self._finish("length")
+        return None
+
+    def step(self) -> StepOutput:
+        """One step of this session alone (tests, the CLI): the engine's step of a batch of one."""
+        if self.finished:
+            raise RuntimeError(f"session {self.session_id} already finished")
+        (out,) = self.engine.step_many([self])
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     def _accept(self, token: int) -> StepOutput:
-        eos = self.engine.spec.eos_token_ids
-        if token in eos and not self.sampling.ignore_eos:
+        if token in self._eos and not self.sampling.ignore_eos:
             return self._finish("stop")
         self.generated.append(token)
         text = self.stream.push(token)
@@ -156,98 +192,6 @@ class DecodeSession:
     def release(self) -> None:
         """Give the KV buffers back (to the budget and the allocator)."""
         self.cache.release()
-        self._io.clear_binding_inputs()
-        self._io.clear_binding_outputs()
-        self._bound_generation = -1
-        self._decode_io_bound = False
-
-    # -- the run ------------------------------------------------------------
-    def _bind_cache(self) -> None:
-        spec, cache, io, dev = self.engine.spec, self.cache, self._io, self._device
-        shape = cache.spec.buffer_shape(cache.capacity)
-        kv_type = spec.kv_dtype
-        for layer in range(spec.num_layers):
-            k, v = cache.key_ptr(layer), cache.value_ptr(layer)
-            io.bind_input(spec.past_key_names[layer], dev, self.engine.device_id, kv_type, shape, k)
-            io.bind_input(
-                spec.past_value_names[layer], dev, self.engine.device_id, kv_type, shape, v
-            )
-            io.bind_output(
-                spec.present_key_names[layer], dev, self.engine.device_id, kv_type, shape, k
-            )
-            io.bind_output(
-                spec.present_value_names[layer], dev, self.engine.device_id, kv_type, shape, v
-            )
-        io.bind_input(
-            spec.attention_mask_name,
-            dev,
-            self.engine.device_id,
-            cache.mask.dtype,
-            cache.mask.shape,
-            cache.mask_ptr(),
-        )
-        self._bound_generation = cache.capture_generation
-
-    def _run(self, tokens: list[int]) -> np.ndarray[Any, Any]:
-        """Run the model on ``tokens``; return the last position's logits (float32, host)."""
-        engine, spec, cache, io, dev = (
-            self.engine,
-            self.engine.spec,
-            self.cache,
-            self._io,
-            self._device,
-        )
-        n = len(tokens)
-        start = cache.valid_len
-        if cache.valid_len + n > cache.capacity:
-            raise RuntimeError("internal: step does not fit the KV capacity")  # checked above
-        if self._bound_generation != cache.capture_generation:
-            self._bind_cache()
-        xp = self._xp
-        if n == 1:
-            ids, logits, pos = self._ids_1, self._logits_1, self._pos_1
-            ids[0, 0] = tokens[0]
-            pos[0, 0] = start
-        else:
-            ids = xp.asarray(np.asarray([tokens], dtype=spec.input_ids_dtype))
-            logits = xp.empty((1, n, spec.vocab_size), dtype=spec.logits_dtype)
-            pos = xp.asarray(np.arange(start, start + n, dtype=np.int64)[None, :])
-        # A decode step's buffers never move, so they are bound once; a prefill
-        # chunk binds its own and the next decode step binds them back.
-        if n != 1 or not self._decode_io_bound:
-            did = engine.device_id
-            io.bind_input(spec.input_ids_name, dev, did, ids.dtype, ids.shape, cache.ptr(ids))
-            if spec.position_ids_name is not None:
-                io.bind_input(
-                    spec.position_ids_name, dev, did, pos.dtype, pos.shape, cache.ptr(pos)
-                )
-            io.bind_output(
-                spec.logits_name, dev, did, logits.dtype, logits.shape, cache.ptr(logits)
-            )
-            self._decode_io_bound = n == 1
-        run_options = None
-        if n == 1 and engine.graphs_enabled:
-            # Growth invalidated the capture (new addresses, new mask width):
-            # the first run under a fresh graph id captures, later ones replay.
-            if not cache.capture_valid or self._graph_options is None:
-                self._graph_options = engine.run_options(engine.next_graph_id())
-            run_options = self._graph_options
-        cache.advance(n)
-        if dev == "cuda":
-            # Inputs were written on CuPy's stream; onnxruntime runs on its own
-            # (non-blocking) stream and must not read them before they land.
-            xp.cuda.get_current_stream().synchronize()
-        try:
-            engine.run(io, run_options)
-        except Exception as exc:
-            cache.truncate(start)
-            raise engine.translate_run_error(exc, self, n) from exc
-        if run_options is not None:
-            cache.capture_valid = True
-        last = logits[0, -1]
-        if dev == "cuda":
-            last = xp.asnumpy(last)
-        return np.asarray(last, dtype=np.float32)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,55 @@
+"""The daemon decodes ready sessions of one bucket in one run; a row's failure stays its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvmux.client import Item
+from kvmux.daemon.engine import Engine
+from kvmux.kv import failpoints
+
+from .conftest import connected, make_config, running
+from .helpers import decode_alone, ok_tokens, token_prompt
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_run_failing_for_one_row_fails_that_item_alone(
+    tiny_model: Path, sock_dir: Path, reference: Engine
+) -> None:
+    """Eight items share one cohort (bucket 256), so every decode run holds all of them;
+    runs holding item 5's row fail from the moment the failpoint is armed. The batch is
+    split until that row fails alone: item 5 gets ``run_failed``, the others their tokens."""
+    cfg = make_config(tiny_model, sock_dir, kv={"min_bucket": 256})
+    items = [
+        Item(
+            custom_id=str(i),
+            prompt_tokens=token_prompt(6 + i, seed=i),
+            max_new_tokens=150,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        for i in range(8)
+    ]
+    failpoints.slow("engine.step", 0.001)  # item 5 is still decoding when armed
+    async with running(cfg) as daemon, connected(daemon) as client:
+        job = await client.submit(items)
+        failpoints.arm("engine.run", key=f"{job.job_id}/5")
+        results = await job.results()
+        failpoints.disarm()
+        status = await client.status()
+        assert daemon.engine is not None
+        runner = daemon.engine.runner
+        assert runner.rows_run > 2 * runner.runs  # decode runs held rows 0-4 and 6-7
+    by_id = {r.custom_id: r for r in results}
+    err = by_id["5"].error
+    assert err is not None and err.code == "run_failed"
+    assert err.details["cause"] == "injected" and err.details["session_unchanged"] is True
+    others = [r for r in results if r.custom_id != "5"]
+    got = ok_tokens(others)
+    for item in items:
+        if item.custom_id != "5":
+            assert got[item.custom_id] == decode_alone(reference, item)
+    assert status.kv_bytes_in_use == 0

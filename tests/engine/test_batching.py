@@ -1,0 +1,209 @@
+"""Batched decode: each session's tokens and logits equal the same session decoded alone.
+
+Sessions join at different steps, leave when they finish, grow mid-batch
+(min_bucket 4), and share runs with whoever sits in adjacent rows of their
+bucket's cohort. Coherence is the assertion: logits compared bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvmux.daemon.engine import DecodeSession, Engine, RunFailed, SamplingParams
+from kvmux.daemon.engine.runner import RowInput, RowsNotRunnable
+from kvmux.kv import GrowthFailed, failpoints
+
+from .helpers import RecordingSampler, decode, greedy, prompt_ids
+
+
+@dataclass
+class Plan:
+    prompt: list[int]
+    params: SamplingParams
+    start: int  # the step at which it joins
+    sid: str
+    session: DecodeSession | None = None
+    errors: list[Exception] = field(default_factory=list)
+
+
+def _plans(engine: Engine, n: int, seed: int) -> list[Plan]:
+    rng = np.random.default_rng(seed)
+    plans = []
+    for i in range(n):
+        prompt = prompt_ids(engine, int(rng.integers(1, 40)), seed=seed * 100 + i)
+        new = int(rng.integers(5, 70))
+        params = (
+            greedy(new)
+            if i % 3
+            else SamplingParams(max_new_tokens=new, temperature=0.8, top_k=40, seed=i)
+        )
+        plans.append(Plan(prompt, params, start=int(rng.integers(0, 30)), sid=f"s{seed}-{i}"))
+    return plans
+
+
+def _drive(engine: Engine, plans: list[Plan], *, retry: bool = False) -> dict[str, Any]:
+    """Step every live session together until all finish; sessions join at their step."""
+    recorders: dict[str, RecordingSampler] = {}
+    step = 0
+    while step < 10_000:
+        for p in plans:
+            if p.session is None and p.start == step:
+                p.session = engine.new_session(p.prompt, p.params, session_id=p.sid)
+                recorders[p.sid] = RecordingSampler(p.session.sampler)
+                p.session.sampler = recorders[p.sid]  # type: ignore[assignment]
+        live = [p for p in plans if p.session is not None and not p.session.finished]
+        if not live and all(p.session is not None for p in plans):
+            break
+        outs = engine.step_many([p.session for p in live if p.session is not None])
+        for p, out in zip(live, outs, strict=True):
+            if isinstance(out, Exception):
+                p.errors.append(out)
+                assert p.session is not None
+                if not retry:
+                    p.session.finished = True  # failed: it leaves the batch
+        step += 1
+    result = {}
+    for p in plans:
+        assert p.session is not None
+        result[p.sid] = (list(p.session.generated), recorders[p.sid].logits)
+        p.session.release()
+    return result
+
+
+def _solo(engine: Engine, p: Plan) -> tuple[list[int], list[np.ndarray[Any, Any]]]:
+    tokens, logits, _ = decode(engine.new_session(p.prompt, p.params))
+    return tokens, logits
+
+
+@pytest.mark.parametrize(
+    ("which", "seed", "rows_per_run"),
+    # min_bucket 4: sessions spread over buckets 4..128 and grow mid-batch;
+    # min_bucket 256: they all share one cohort.
+    [("engine", 1, 1.3), ("engine", 2, 1.3), ("engine", 3, 1.3), ("big_buffer_engine", 4, 2)],
+)
+def test_batched_tokens_and_logits_equal_solo_bit_for_bit(
+    request: pytest.FixtureRequest, which: str, seed: int, rows_per_run: float
+) -> None:
+    engine: Engine = request.getfixturevalue(which)
+    plans = _plans(engine, 12, seed)
+    runs, rows = engine.runner.runs, engine.runner.rows_run
+    batched = _drive(engine, plans)
+    runs, rows = engine.runner.runs - runs, engine.runner.rows_run - rows
+    assert rows / runs > rows_per_run, "sessions were not batched"
+    for p in plans:
+        tokens, logits = _solo(engine, p)
+        got_tokens, got_logits = batched[p.sid]
+        assert got_tokens == tokens, p.sid
+        assert len(got_logits) == len(logits)
+        for step, (a, b) in enumerate(zip(got_logits, logits, strict=True)):
+            assert a.tobytes() == b.tobytes(), f"{p.sid}: logits differ at step {step}"
+    assert engine.budget.used == 0 and engine.pool.cohorts() == []
+
+
+def test_sessions_of_one_bucket_decode_in_one_run_per_step(big_buffer_engine: Engine) -> None:
+    engine = big_buffer_engine
+    sessions = [
+        engine.new_session(prompt_ids(engine, 3 + i, seed=i), greedy(20), session_id=f"b{i}")
+        for i in range(16)
+    ]
+    runs = engine.runner.runs
+    outs = engine.step_many(sessions, steps=20)
+    # One run of the 16 first prompts (right-padded; each samples its first
+    # token), then 19 decode runs of 16 rows.
+    assert engine.runner.runs - runs == 1 + 19
+    for i, (s, out) in enumerate(zip(sessions, outs, strict=True)):
+        assert not isinstance(out, Exception) and out.finished
+        alone = engine.generate(prompt_ids(engine, 3 + i, seed=i), greedy(20))
+        assert s.generated == alone.token_ids
+        s.release()
+
+
+def test_a_row_whose_runs_fail_fails_alone(engine: Engine) -> None:
+    plans = _plans(engine, 9, seed=4)
+    for p in plans:
+        p.start = 0  # all at once: the victim shares every decode run
+    victim = plans[4]
+    victim.params = greedy(60)
+    failing_from = 12
+    armed = False
+    recorders: dict[str, RecordingSampler] = {}
+    sessions = {p.sid: engine.new_session(p.prompt, p.params, session_id=p.sid) for p in plans}
+    for sid, s in sessions.items():
+        recorders[sid] = RecordingSampler(s.sampler)
+        s.sampler = recorders[sid]  # type: ignore[assignment]
+    runs_before = 0
+    for step in range(200):
+        if step == failing_from:
+            failpoints.arm("engine.run", key=victim.sid)
+            armed = True
+            runs_before = engine.runner.runs
+        live = [s for s in sessions.values() if not s.finished]
+        if not live:
+            break
+        valid = sessions[victim.sid].cache.valid_len
+        outs = engine.step_many(live)
+        for s, out in zip(live, outs, strict=True):
+            if isinstance(out, Exception):
+                assert s.session_id == victim.sid
+                assert isinstance(out, RunFailed)
+                assert out.details["cause"] == "injected" and out.details["session_unchanged"]
+                assert s.cache.valid_len == valid and int(s.cache.mask.sum()) == valid
+                s.finished = True
+                failpoints.disarm()
+    assert armed and engine.runner.runs > runs_before
+    for p in plans:
+        s = sessions[p.sid]
+        if p is victim:
+            assert s.finish_reason is None and len(s.generated) < 60
+        else:
+            assert s.finish_reason is not None
+            tokens, logits = _solo(engine, p)
+            assert s.generated == tokens, p.sid
+            for a, b in zip(recorders[p.sid].logits, logits, strict=True):
+                assert a.tobytes() == b.tobytes()
+        s.release()
+    assert engine.budget.used == 0
+
+
+def test_a_failed_growth_in_a_batch_stays_with_its_row_and_retries(engine: Engine) -> None:
+    plans = _plans(engine, 8, seed=5)
+    for p in plans:
+        p.start = 0
+    failpoints.arm("kv.copy_prefix", 3)  # the next three growths, whoever they are
+    batched = _drive(engine, plans, retry=True)
+    failed = [p for p in plans if p.errors]
+    assert failed, "no growth failed"
+    for p in failed:
+        assert all(isinstance(e, GrowthFailed) for e in p.errors)
+    assert sum(len(p.errors) for p in plans) == 3
+    for p in plans:
+        tokens, logits = _solo(engine, p)
+        assert batched[p.sid][0] == tokens, p.sid
+        for a, b in zip(batched[p.sid][1], logits, strict=True):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_rows_that_cannot_share_a_run_are_refused_before_it(engine: Engine) -> None:
+    a = engine.new_session(prompt_ids(engine, 4), greedy(5))
+    b = engine.new_session(prompt_ids(engine, 4, seed=1), greedy(5))
+    for s in (a, b):
+        s.ensure_capacity()
+    runs = engine.runner.runs
+    full = RowInput(a.cache, [1] * (a.cache.capacity + 1), "a")
+    with pytest.raises(RowsNotRunnable, match="do not fit"):
+        engine.runner.run([full])
+    a.cache.advance(1)  # as if a had run a token: a prompt chunk after it has past
+    chunk = RowInput(a.cache, [1, 2], "a")
+    with pytest.raises(RowsNotRunnable, match="with past runs alone"):
+        engine.runner.run([chunk, RowInput(b.cache, [3, 4], "b")])
+    a.cache.truncate(0)
+    assert a.cache.placement().row + 1 == b.cache.placement().row
+    with pytest.raises(RowsNotRunnable, match="adjacent"):
+        engine.runner.run([RowInput(b.cache, [3], "b"), RowInput(a.cache, [3], "a")])
+    assert engine.runner.runs == runs and a.cache.valid_len == b.cache.valid_len == 0
+    a.release()
+    b.release()
