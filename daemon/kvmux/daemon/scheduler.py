@@ -67,7 +67,6 @@ from kvmux.kv import (
     GrowthFailed,
     GrowthResult,
     capacity_bucket,
-    ensure_capacity,
     failpoints,
     resolve_min_bucket,
 )
@@ -420,11 +419,7 @@ class Scheduler:
         per_token = self.engine.tokenizer.text_bytes_per_token
         size = len(prompt.encode("utf-8", errors="surrogatepass"))
         at_least = -(-size // per_token)
-        hard = self.engine.hard_max_for(max_context)
-        if hard.value is not None and at_least > hard.value:
-            # The driver refuses it with every diagnostic, before allocating
-            # anything (a cache of capacity 0 holds no memory).
-            ensure_capacity(self.engine.new_cache(hard), at_least)
+        self.engine.refuse_over_hard_max(self.engine.hard_max_for(max_context), at_least)
         cap = self.cfg.max_prompt_tokens or (1 << 20)
         if at_least > cap:
             raise BadRequest(

@@ -232,12 +232,16 @@ class Engine:
         ids = self.encode(prompt)
         sampling = resolve_sampling(params or SamplingParams(), self.spec.search)
         hard_max = self.hard_max_for(max_context)
-        if hard_max.value is not None and len(ids) > hard_max.value:
+        self.refuse_over_hard_max(hard_max, len(ids))
+        return Admission(ids, sampling, hard_max)
+
+    def refuse_over_hard_max(self, hard_max: HardMax, tokens: int) -> None:
+        """:class:`~kvmux.kv.CapacityExceeded` if ``tokens`` do not fit ``hard_max``."""
+        if hard_max.value is not None and tokens > hard_max.value:
             # A cache of capacity 0 holds no memory; the driver raises the
             # error with its full diagnostics before allocating anything.
             empty: GrowthBackend[Any] = self.new_cache(hard_max)
-            ensure_capacity(empty, len(ids))
-        return Admission(ids, sampling, hard_max)
+            ensure_capacity(empty, tokens)
 
     def open_session(self, admission: Admission, session_id: str | None = None) -> DecodeSession:
         """A decode session for an admitted item; its cache starts empty (capacity 0)."""
