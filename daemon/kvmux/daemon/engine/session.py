@@ -7,23 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvmux.kv import (
-    ArrayKvCache,
-    GrowthBackend,
-    GrowthResult,
-    HardMax,
-    RowKvCache,
-    ensure_capacity,
-)
+from kvmux.kv import GrowthResult, HardMax, KvCache, ensure_capacity
 
 from .sampling import ResolvedSampling, Sampler
 from .text import TextStream
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-# A session's own buffers (CUDA, or a cache a test builds), or a row of a cohort.
-KvCache = ArrayKvCache | RowKvCache
 
 
 @dataclass(slots=True)
@@ -123,8 +113,7 @@ class DecodeSession:
         return self.cache.hard_max
 
     def ensure_capacity(self) -> GrowthResult:
-        backend: GrowthBackend[Any] = self.cache
-        return ensure_capacity(backend, self.required_capacity())
+        return ensure_capacity(self.cache, self.required_capacity())
 
     # -- one step, as the engine drives it ------------------------------------
     def next_tokens(self) -> list[int]:
