@@ -44,8 +44,9 @@ class DecodeSession:
     It owns no execution: the engine asks it what to feed (:meth:`next_tokens`),
     runs that through its model runner on the session's KV cache, and hands the
     logits back (:meth:`took`). Growth goes through :func:`kvmux.kv.ensure_capacity`
-    on :attr:`cache`; the scheduler reads only :meth:`needs_growth`, :meth:`room`
-    and :attr:`kv_bytes`.
+    on :attr:`cache`; the scheduler reads the session (:meth:`needs_growth`,
+    :meth:`room`, :attr:`kv_bytes`, :attr:`capacity`, :attr:`valid_len`,
+    :attr:`hard_max`), never its cache.
     """
 
     def __init__(
