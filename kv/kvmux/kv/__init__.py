@@ -8,7 +8,7 @@ free memory. Nothing here knows about ZeroMQ, onnxruntime or the daemon.
 """
 
 from . import failpoints
-from ._backend import GrowthBackend, GrowthResult
+from ._backend import GrowthBackend, GrowthResult, KvCache
 from ._bucket import DEFAULT_MIN_BUCKET, MIN_BUCKET_ENV, capacity_bucket, resolve_min_bucket
 from ._budget import MemoryBudget, MemoryInfo, host_memory
 from ._buffers import ArrayKvCache, StagedBuffers
@@ -44,6 +44,7 @@ __all__ = [
     "HardMax",
     "HostKvCache",
     "InjectedFault",
+    "KvCache",
     "KvConfigError",
     "KvError",
     "KvSpec",

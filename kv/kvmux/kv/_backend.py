@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ._budget import MemoryInfo
 from ._hardmax import HardMax
+from ._placement import Placement
 
 Staged = TypeVar("Staged")
 
@@ -62,6 +63,36 @@ class GrowthBackend(Protocol[Staged]):
     def memory(self) -> MemoryInfo | None:
         """Device free/total now, or None when it cannot be measured."""
         ...
+
+
+class KvCache(GrowthBackend[Any], Protocol):
+    """A session's KV cache as the engine uses it, whatever its layout (its own
+    buffers, or a row of a cohort)."""
+
+    capture_valid: bool
+    capture_generation: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def keys(self) -> list[Any]: ...
+
+    @property
+    def values(self) -> list[Any]: ...
+
+    @property
+    def mask(self) -> Any: ...
+
+    def advance(self, n: int) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def release(self) -> None: ...
+
+    def placement(self) -> Placement: ...
+
+    def ptr(self, array: Any) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ import structlog
 from kvmux.kv import (
     CohortPool,
     CudaKvCache,
-    GrowthBackend,
     HardMax,
+    KvCache,
     KvSpec,
     MemoryBudget,
     MemoryInfo,
@@ -35,7 +35,7 @@ from .errors import BadPrompt, RunFailed
 from .runner import ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
-from .session import Completion, DecodeSession, KvCache, StepOutput
+from .session import Completion, DecodeSession, StepOutput
 
 log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.step")
@@ -240,8 +240,7 @@ class Engine:
         if hard_max.value is not None and tokens > hard_max.value:
             # A cache of capacity 0 holds no memory; the driver raises the
             # error with its full diagnostics before allocating anything.
-            empty: GrowthBackend[Any] = self.new_cache(hard_max)
-            ensure_capacity(empty, tokens)
+            ensure_capacity(self.new_cache(hard_max), tokens)
 
     def open_session(self, admission: Admission, session_id: str | None = None) -> DecodeSession:
         """A decode session for an admitted item; its cache starts empty (capacity 0)."""

@@ -7,23 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvmux.kv import (
-    ArrayKvCache,
-    GrowthBackend,
-    GrowthResult,
-    HardMax,
-    RowKvCache,
-    ensure_capacity,
-)
+from kvmux.kv import GrowthResult, HardMax, KvCache, ensure_capacity
 
 from .sampling import ResolvedSampling, Sampler
 from .text import TextStream
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-# A session's own buffers (CUDA, or a cache a test builds), or a row of a cohort.
-KvCache = ArrayKvCache | RowKvCache
 
 
 @dataclass(slots=True)
@@ -54,8 +44,9 @@ class DecodeSession:
     It owns no execution: the engine asks it what to feed (:meth:`next_tokens`),
     runs that through its model runner on the session's KV cache, and hands the
     logits back (:meth:`took`). Growth goes through :func:`kvmux.kv.ensure_capacity`
-    on :attr:`cache`; the scheduler reads only :meth:`needs_growth`, :meth:`room`
-    and :attr:`kv_bytes`.
+    on :attr:`cache`; the scheduler reads the session (:meth:`needs_growth`,
+    :meth:`room`, :attr:`kv_bytes`, :attr:`capacity`, :attr:`valid_len`,
+    :attr:`hard_max`), never its cache.
     """
 
     def __init__(
@@ -123,8 +114,7 @@ class DecodeSession:
         return self.cache.hard_max
 
     def ensure_capacity(self) -> GrowthResult:
-        backend: GrowthBackend[Any] = self.cache
-        return ensure_capacity(backend, self.required_capacity())
+        return ensure_capacity(self.cache, self.required_capacity())
 
     # -- one step, as the engine drives it ------------------------------------
     def next_tokens(self) -> list[int]:
