@@ -178,7 +178,8 @@ class Journal:
 
         return self.submit(op)
 
-    def add_result(self, job_id: str, result: ItemResult) -> None:
+    def add_result(self, job_id: str, result: ItemResult) -> int:
+        """Queue a finished item's result; returns its encoded size."""
         data = _encode(result)
         self.submit(
             lambda db: db.execute(
@@ -186,6 +187,7 @@ class Journal:
                 (data, job_id, result.index),
             )
         )
+        return len(data)
 
     def set_detached(self, job_id: str) -> None:
         self.submit(

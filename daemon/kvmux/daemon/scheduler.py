@@ -68,7 +68,6 @@ from kvmux.kv import (
     GrowthResult,
     capacity_bucket,
     failpoints,
-    resolve_min_bucket,
 )
 
 from .access import OPERATOR, Caller
@@ -628,11 +627,7 @@ class Scheduler:
 
     # -- memory arithmetic (only with an explicit kv.memory_budget) --------------------
     def _bucket_bytes(self, tokens: int, admission: Admission) -> int:
-        bucket = capacity_bucket(
-            max(tokens, 1),
-            admission.hard_max.value,
-            resolve_min_bucket(self.engine.options.min_bucket),
-        )
+        bucket = capacity_bucket(max(tokens, 1), admission.hard_max.value, self.engine.min_bucket)
         return bucket * self.engine.kv_spec.bytes_per_token
 
     def _fits_alone(self, state: ItemState) -> bool:
@@ -657,9 +652,8 @@ class Scheduler:
             session = state.session
             if session is None or state.admission is None:
                 continue
-            cache = session.cache
-            now = cache.nbytes
-            gains += max(self._bucket_bytes(cache.capacity + 1, state.admission) - now, 0)
+            now = session.kv_bytes
+            gains += max(self._bucket_bytes(session.capacity + 1, state.admission) - now, 0)
             largest = max(largest, now)
         return gains + largest
 
@@ -670,7 +664,8 @@ class Scheduler:
         batch: list[ItemState] = []
         active_by = Counter(s.job.owner for s in self._active)
         budget = self.engine.budget
-        need = self._growth_reserve() if budget.total is not None else 0
+        metered = budget.total is not None and slots > 0 and bool(self._queue)
+        need = self._growth_reserve() if metered else 0
         while slots > 0 and self._queue:
             # The owner with the fewest active sessions goes first; among equals,
             # the order rotates. Within an owner, its jobs take turns.
@@ -684,11 +679,7 @@ class Scheduler:
                 prompt = len(admission.prompt_ids)
                 first = self._bucket_bytes(prompt, admission)
                 second = self._bucket_bytes(
-                    capacity_bucket(
-                        prompt, None, resolve_min_bucket(self.engine.options.min_bucket)
-                    )
-                    + 1,
-                    admission,
+                    capacity_bucket(prompt, None, self.engine.min_bucket) + 1, admission
                 )
                 if budget.used + need + first + max(second - first, 0) > budget.total:
                     break  # not enough to carry everyone to their next growth: it waits
@@ -922,8 +913,7 @@ class Scheduler:
         state.admission = None
         job.tokens += len(result.token_ids)
         if self.journal is not None:
-            self.journal.add_result(job.job_id, result)
-            size = len(_ENCODER.encode(result))
+            size = self.journal.add_result(job.job_id, result)
             job.journal_bytes += size
             self._journal_total += size
         if result.status == "ok":

@@ -141,12 +141,14 @@ class Server:
         self.cfg = cfg
         self.scheduler: Scheduler | None = None
         self._hello = hello
+        self._instance = hello().instance  # heartbeat acks name it
         self._status = status
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._bound: str | None = None  # what sock.bind() resolved the endpoint to
         self._out, self._out_rx = anyio.create_memory_object_stream[tuple[bytes, bytes]](math.inf)
         self._peers: dict[bytes, Peer] = {}
+        self._backlogged: set[bytes] = set()  # peers with replies held back
         self._banned: dict[bytes, float] = {}  # identities shut for garbage, until when
         self._log_subs: dict[bytes, tuple[LogSubscription, anyio.CancelScope]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
@@ -259,9 +261,7 @@ class Server:
     async def flush(self, timeout: float = 2.0) -> None:
         """Wait until every queued message was handed to ZeroMQ (used at shutdown)."""
         with anyio.move_on_after(timeout):
-            while self._out_rx.statistics().current_buffer_used or any(
-                peer.backlog for peer in self._peers.values()
-            ):
+            while self._out_rx.statistics().current_buffer_used or self._backlogged:
                 await anyio.sleep(0.01)
 
     @property
@@ -284,8 +284,7 @@ class Server:
 
     async def _send_loop(self) -> None:
         while True:
-            waiting = any(peer.backlog for peer in self._peers.values())
-            with anyio.move_on_after(0.005 if waiting else math.inf):
+            with anyio.move_on_after(0.005 if self._backlogged else math.inf):
                 try:
                     ident, data = await self._out_rx.receive()
                 except (anyio.EndOfStream, anyio.ClosedResourceError):
@@ -297,10 +296,10 @@ class Server:
     async def _send_or_hold(self, ident: bytes, data: bytes) -> None:
         peer = self._peers.get(ident)
         if peer is not None and peer.backlog:
-            self._hold(peer, data)  # keep the order: behind what already waits
+            self._hold(ident, peer, data)  # keep the order: behind what already waits
             return
         if await self._try_send(ident, data) is False and peer is not None:
-            self._hold(peer, data)
+            self._hold(ident, peer, data)
 
     async def _try_send(self, ident: bytes, data: bytes) -> bool | None:
         """True: sent; False: the client's pipe is full; None: the client is gone."""
@@ -314,7 +313,7 @@ class Server:
             return None
         return True
 
-    def _hold(self, peer: Peer, data: bytes) -> None:
+    def _hold(self, ident: bytes, peer: Peer, data: bytes) -> None:
         if peer.backlog_bytes + len(data) > self.cfg.max_client_buffer_bytes:
             peer.lost += 1
             self.lost_replies += 1
@@ -328,15 +327,19 @@ class Server:
             return
         peer.backlog.append(data)
         peer.backlog_bytes += len(data)
+        self._backlogged.add(ident)
 
     async def _retry_backlogs(self) -> None:
-        for ident, peer in list(self._peers.items()):
-            while peer.backlog:
+        for ident in list(self._backlogged):
+            peer = self._peers.get(ident)
+            while peer is not None and peer.backlog:
                 sent = await self._try_send(ident, peer.backlog[0])
                 if sent is False:
                     break
                 data = peer.backlog.popleft()
                 peer.backlog_bytes -= len(data)
+            if peer is None or not peer.backlog:
+                self._backlogged.discard(ident)
 
     # -- receiving -----------------------------------------------------------------
     async def _receive_loop(self) -> None:
@@ -476,7 +479,7 @@ class Server:
                 self._unsubscribe_logs(ident)
                 self.send(ident, p.Ack(id=req.id))
             case p.Heartbeat():
-                self.send(ident, p.Ack(id=req.id, instance=self._hello().instance))
+                self.send(ident, p.Ack(id=req.id, instance=self._instance))
             case p.Bye():
                 self.send(ident, p.Ack(id=req.id))
                 self._forget(ident, "its client closed the connection", "client_closed")
@@ -553,13 +556,8 @@ class Server:
         self.disconnected += 1
         self._banned[ident] = time.monotonic()
         self._forget(ident, f"its connection was shut ({reason})", reason)
-        if peer.fd is not None and _same_peer(peer.fd, peer.caller):
-            with contextlib.suppress(OSError):
-                dup = socket.socket(fileno=os.dup(peer.fd))
-                try:
-                    dup.shutdown(socket.SHUT_RDWR)
-                finally:
-                    dup.close()
+        if peer.fd is not None:
+            _shut_if_same_peer(peer.fd, peer.caller)
         log.warning("client_disconnected", owner=peer.caller.owner, reason=reason)
 
     async def _fd_guard(self) -> None:
@@ -611,6 +609,7 @@ class Server:
 
     def _forget(self, ident: bytes, why: str, reason: str) -> None:
         self._peers.pop(ident, None)
+        self._backlogged.discard(ident)
         self._unsubscribe_logs(ident)
         if self.scheduler is None:  # still loading: no jobs yet
             return
@@ -666,21 +665,24 @@ def _property(frame: zmq.Frame, name: str) -> str | None:
         return None
 
 
-def _same_peer(fd: int, caller: Caller) -> bool:
-    """Whether descriptor ``fd`` is still a connection of ``caller`` (not reused since)."""
+def _shut_if_same_peer(fd: int, caller: Caller) -> None:
+    """Shut connection ``fd`` down if it still is one of ``caller``'s (libzmq may have
+    closed it and reused the number since); libzmq then drops it as gone."""
     try:
         dup = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return False
+        return
     try:
         if dup.family == socket.AF_UNIX:
             creds = dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             _pid, uid, _gid = struct.unpack("3i", creds)
-            return caller.owner in (f"uid:{uid}", ANONYMOUS)
-        dup.getpeername()  # a connected socket; CURVE/anonymous carry no finer identity
-        return True
+            if caller.owner not in (f"uid:{uid}", ANONYMOUS):
+                return
+        else:
+            dup.getpeername()  # a connected socket; CURVE/anonymous carry no finer identity
+        dup.shutdown(socket.SHUT_RDWR)
     except OSError:
-        return False
+        return
     finally:
         dup.close()
 
