@@ -100,7 +100,7 @@ def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
         (line({"prompt": "x", "max_tokens": 0}), "`max_tokens`"),
         (line({"prompt": "x", "top_p": 2}), "`top_p`"),
         (line({"prompt": "x", "stop": ["ok", ""]}), "`stop[1]`"),
-        (line({"max_tokens": 3}), "exactly one of `prompt` and `prompt_tokens`"),
+        (line({"max_tokens": 3}), "exactly one of `prompt`, `prompt_tokens` and `messages`"),
         (line({"prompt": "x", "max_tokens": 1, "max_new_tokens": 1}), "not both"),
         (line({"prompt": [1, "a"]}), "holds 2 prompts"),
         (openai({"prompt": "x"}, url="/v1/chat/completions"), "no chat template"),

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 JobId = Annotated[str, Meta(min_length=1, max_length=64)]
@@ -30,26 +30,68 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 # -- what a client sends -------------------------------------------------------
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One message of a chat conversation, as OpenAI's chat completions take it.
+
+    ``content`` is text (a client flattens OpenAI's list of text parts into one
+    string before sending); ``name`` is passed to the template as given."""
+
+    role: Annotated[str, Meta(min_length=1, max_length=64)]
+    content: Annotated[str, Meta(max_length=8 * 1024 * 1024)] = ""
+    name: Annotated[str, Meta(max_length=256)] | None = None
+
+
 class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """One prompt to decode: text or token ids (exactly one), with its parameters.
+    """One prompt to decode: text, token ids or chat messages (exactly one), with its parameters.
 
     ``None`` means "the model's declared default" (genai_config ``search``).
     ``max_context`` caps this item's KV length below the daemon's ceiling.
+    ``messages`` are rendered to a prompt with the model's chat template in the
+    daemon, so every client gets the same prompt; its result is a chat result.
+    ``line`` (the input line the item came from) and ``choice`` (which of a
+    line's several completions this is: OpenAI's ``n`` and prompt lists) are
+    echoed in the result untouched. Penalties follow vLLM's definitions;
+    ``logprobs`` asks for the chosen token's log-probability and that many of
+    the most likely alternatives at every step (0: the chosen token's only).
     """
 
     custom_id: Annotated[str, Meta(max_length=512)] = ""
     prompt: Annotated[str, Meta(max_length=8 * 1024 * 1024)] | None = None
     prompt_tokens: Annotated[list[TokenId], Meta(max_length=1 << 20)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=4096)] | None = None
     max_new_tokens: PositiveInt | None = None
+    min_new_tokens: Annotated[int, Meta(ge=0, lt=2**31)] = 0
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     top_k: Annotated[int, Meta(ge=0, lt=2**31)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: Annotated[
         list[Annotated[str, Meta(min_length=1, max_length=1024)]], Meta(max_length=16)
     ] = msgspec.field(default_factory=list)
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=256)] = msgspec.field(
+        default_factory=list
+    )
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    skip_special_tokens: bool = True
     max_context: PositiveInt | None = None
     ignore_eos: bool = False
+    line: Annotated[int, Meta(ge=1, lt=2**53)] | None = None
+    choice: Annotated[int, Meta(ge=0, lt=2**16)] = 0
+
+
+class Rejected(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An input line the client could not turn into an item.
+
+    Sent with the items, so the job keeps it as an error result (code
+    ``bad_request``): ``kvmux results`` of a detached job reports it too."""
+
+    custom_id: Annotated[str, Meta(max_length=512)]
+    reason: Annotated[str, Meta(max_length=4096)]
+    line: Annotated[int, Meta(ge=1, lt=2**53)] | None = None
 
 
 class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -64,11 +106,34 @@ class Hello(_Request, tag="hello", frozen=True):
 
 
 class Submit(_Request, tag="submit", frozen=True):
-    """A job: a batch of items. ``detach`` keeps it running if this client goes away."""
+    """A job: a batch of items. ``detach`` keeps it running if this client goes away.
 
-    items: Annotated[list[Item], Meta(min_length=1, max_length=1 << 16)]
+    With ``more``, the job stays open: :class:`AddItems` appends further items
+    (a file of any size streams in a bounded piece at a time) until one with
+    ``last``. ``rejected`` lines become error results of the job, numbered
+    after its items."""
+
+    items: Annotated[list[Item], Meta(max_length=1 << 16)]
     detach: bool = False
     name: Annotated[str, Meta(max_length=256)] = ""
+    rejected: Annotated[list[Rejected], Meta(max_length=1 << 16)] = msgspec.field(
+        default_factory=list
+    )
+    more: bool = False
+
+
+class AddItems(_Request, tag="add_items", frozen=True):
+    """More items (and rejected lines) for an open job; answered :class:`Added`.
+
+    ``overloaded`` means the caller's share of the queue is full: send the same
+    request again later. ``last`` closes the job: it finishes when these are done."""
+
+    job_id: JobId
+    items: Annotated[list[Item], Meta(max_length=1 << 16)] = msgspec.field(default_factory=list)
+    rejected: Annotated[list[Rejected], Meta(max_length=1 << 16)] = msgspec.field(
+        default_factory=list
+    )
+    last: bool = False
 
 
 class Cancel(_Request, tag="cancel", frozen=True):
@@ -130,6 +195,7 @@ class Bye(_Request, tag="bye", frozen=True):
 Request = (
     Hello
     | Submit
+    | AddItems
     | Cancel
     | Attach
     | Results
@@ -160,8 +226,29 @@ class Usage(msgspec.Struct, frozen=True):
     total_tokens: int
 
 
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One candidate token at a step: its id, its text and its log-probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """The chosen token at a step, its log-probability and the most likely alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
 class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One item's outcome: the completion, or the error that ended it."""
+    """One item's outcome: the completion, or the error that ended it.
+
+    A cancelled or shut-down item keeps the ``text`` and ``token_ids`` it had
+    produced (its ``error`` says why it stopped). ``chat`` marks the result of
+    a ``messages`` item; ``line`` and ``choice`` are the item's own."""
 
     index: int
     custom_id: str
@@ -172,6 +259,10 @@ class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
     usage: Usage | None = None
     seed: int | None = None
     error: ErrorInfo | None = None
+    line: int | None = None
+    choice: int = 0
+    chat: bool = False
+    logprobs: list[TokenLogprob] | None = None
 
 
 class _Event(msgspec.Struct, frozen=True, tag_field="type"):
@@ -318,6 +409,14 @@ class Accepted(_Reply, tag="accepted", frozen=True):
     total: int
 
 
+class Added(_Reply, tag="added", frozen=True):
+    """Items were added to an open job; ``total`` counts its items so far."""
+
+    id: int
+    job_id: str
+    total: int
+
+
 class Attached(_Reply, tag="attached", frozen=True):
     """Attached: the job's tally; finished results are fetched with :class:`Results`."""
 
@@ -385,6 +484,7 @@ class LogEvents(_Reply, tag="logs", frozen=True):
 Reply = (
     Welcome
     | Accepted
+    | Added
     | Attached
     | ResultsPage
     | JobList
@@ -422,13 +522,22 @@ def decode_reply(data: bytes) -> Reply:
 
 
 def check_item(item: Item) -> Item:
-    """Validate an item built in Python against the wire constraints (and prompt XOR tokens).
+    """Validate an item built in Python against the wire constraints (and exactly one prompt).
 
     msgspec checks constraints when decoding, not when a Struct is built, so the
     client runs this before sending; the daemon runs the same checks on decode.
     Raises ``ValueError`` naming the field.
     """
     checked = msgspec.convert(msgspec.to_builtins(item), Item)
-    if (checked.prompt is None) == (checked.prompt_tokens is None):
-        raise ValueError("exactly one of `prompt` and `prompt_tokens` must be given")
+    given = [
+        name
+        for name, value in (
+            ("prompt", checked.prompt),
+            ("prompt_tokens", checked.prompt_tokens),
+            ("messages", checked.messages),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise ValueError("exactly one of `prompt`, `prompt_tokens` and `messages` must be given")
     return checked

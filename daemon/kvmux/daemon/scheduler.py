@@ -375,8 +375,10 @@ class Scheduler:
 
     def _admit(self, item: Item) -> Admission | Exception:
         try:
-            if (item.prompt is None) == (item.prompt_tokens is None):
-                raise BadRequest("exactly one of `prompt` and `prompt_tokens` must be given")
+            if item.messages is not None or (item.prompt is None) == (item.prompt_tokens is None):
+                raise BadRequest(
+                    "exactly one of `prompt`, `prompt_tokens` and `messages` must be given"
+                )
             limit = self.cfg.max_new_tokens
             if item.max_new_tokens is not None and item.max_new_tokens > limit:
                 raise BadRequest(
