@@ -48,9 +48,10 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     ``max_context`` caps this item's KV length below the daemon's ceiling.
     ``messages`` are rendered to a prompt with the model's chat template in the
     daemon, so every client gets the same prompt; its result is a chat result.
-    ``line`` (the input line the item came from) and ``choice`` (which of a
-    line's several completions this is: OpenAI's ``n`` and prompt lists) are
-    echoed in the result untouched. Penalties follow vLLM's definitions;
+    ``line`` (the input line the item came from), ``choice`` and ``choices``
+    (this is completion ``choice`` of the ``choices`` its line asked for:
+    OpenAI's ``n`` times its prompt list) are echoed in the result untouched.
+    Penalties follow vLLM's definitions;
     ``logprobs`` asks for the chosen token's log-probability and that many of
     the most likely alternatives at every step (0: the chosen token's only).
     """
@@ -81,6 +82,7 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     ignore_eos: bool = False
     line: Annotated[int, Meta(ge=1, lt=2**53)] | None = None
     choice: Annotated[int, Meta(ge=0, lt=2**16)] = 0
+    choices: Annotated[int, Meta(ge=1, le=2**16)] = 1
 
 
 class Rejected(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -111,11 +113,13 @@ class Submit(_Request, tag="submit", frozen=True):
     With ``more``, the job stays open: :class:`AddItems` appends further items
     (a file of any size streams in a bounded piece at a time) until one with
     ``last``. ``rejected`` lines become error results of the job, numbered
-    after its items."""
+    after its items. ``format`` is how its results are written out (the input
+    file's shape), kept with the job for whoever collects them later."""
 
     items: Annotated[list[Item], Meta(max_length=1 << 16)]
     detach: bool = False
     name: Annotated[str, Meta(max_length=256)] = ""
+    format: Literal["kvmux", "openai"] = "kvmux"
     rejected: Annotated[list[Rejected], Meta(max_length=1 << 16)] = msgspec.field(
         default_factory=list
     )
@@ -261,6 +265,7 @@ class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
     error: ErrorInfo | None = None
     line: int | None = None
     choice: int = 0
+    choices: int = 1
     chat: bool = False
     logprobs: list[TokenLogprob] | None = None
 
@@ -426,6 +431,7 @@ class Attached(_Reply, tag="attached", frozen=True):
     done: bool
     ok: int
     failed: int
+    format: Literal["kvmux", "openai"] = "kvmux"
 
 
 class ResultsPage(_Reply, tag="results", frozen=True):
