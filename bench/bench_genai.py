@@ -11,8 +11,14 @@ through ``Config.overlay``), measured interleaved in one run:
   scheduler does: the rows of one cohort in one run), the same engine with
   ``max_batch=1`` (every session its own run: the time-sliced engine before
   batched decode), kvmux through ``kvmuxd`` (a subprocess), vs the Generator
-  running the N prompts one after another (N <= 16), and as one static batch
-  of N.
+  running the N prompts one after another (N <= 16), as one static batch
+  of N, and onnxruntime-genai's ``Engine`` (its request-level API; on CPU the
+  static-batching scheduler, ``engine.static_batching.max_batch_size = N``);
+- N sessions arriving one after another (``--gap``: a fixed time apart, the
+  whole arrival span about half of one session's decode): ``kvmuxd`` (one job
+  per arrival) vs the genai ``Engine`` fed the same arrivals, vs the Generator
+  as one static batch started once the last has arrived (the best a static
+  batch can do with arrivals).
 
 Prompts are screened so that every one decodes its full ``max_new_tokens``
 without reaching eos: both systems do exactly the same work, and tokens are
@@ -25,8 +31,10 @@ set to, so both bind the same capacity. Needs the [genai] extra; run with
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +42,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from bench.bench_daemon import Run, kvmuxd, run_daemon, run_inprocess
+from bench.bench_daemon import Run, greedy_items, kvmuxd, run_daemon, run_inprocess
 from bench.common import MODELS, write_json
 from kvmux.client import Client
 from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
@@ -111,6 +119,94 @@ class GenaiPeer:
         return out, time.perf_counter() - t0
 
 
+class GenaiEngine:
+    """onnxruntime-genai's ``Engine``: requests added as they arrive, stepped by ``run``.
+
+    The Engine answers only the thread that created it, so everything it does
+    happens on one thread of its own."""
+
+    def __init__(self, model_dir: Path, threads: int, max_batch: int) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genai-engine")
+        self._thread.submit(self._load, model_dir, threads, max_batch).result()
+
+    def _load(self, model_dir: Path, threads: int, max_batch: int) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model_dir))
+        overlay: dict[str, Any] = {
+            "engine": {"static_batching": {"max_batch_size": max_batch}},
+        }
+        if threads:
+            overlay["model"] = {"decoder": {"session_options": {"intra_op_num_threads": threads}}}
+        config.overlay(json.dumps(overlay))
+        self.engine = og.Engine(og.Model(config))
+        got = self.engine.get_capabilities().configured_max_batch_size
+        if got != max_batch:
+            raise RuntimeError(f"genai Engine took max_batch_size {got}, not {max_batch}")
+
+    def run(
+        self, prompts: list[list[int]], n_new: int, arrivals: list[float] | None = None
+    ) -> tuple[list[list[int]], float]:
+        """Every prompt decoded greedily; prompt i is added ``arrivals[i]`` s after the
+        start (all at once without). New tokens per prompt, and the wall time."""
+        return self._thread.submit(self._run, prompts, n_new, arrivals).result()
+
+    def _run(
+        self, prompts: list[list[int]], n_new: int, arrivals: list[float] | None
+    ) -> tuple[list[list[int]], float]:
+        og = self.og
+        arrivals = arrivals or [0.0] * len(prompts)
+        out: list[list[int]] = [[] for _ in prompts]
+        index: dict[int, int] = {}
+        requests = []
+        events = self.engine.create_event_buffer(4 * len(prompts))
+        t0 = time.perf_counter()
+        nxt = 0
+        while nxt < len(prompts) or self.engine.has_pending_requests():
+            now = time.perf_counter() - t0
+            while nxt < len(prompts) and arrivals[nxt] <= now:
+                request = self.engine.create_request()
+                turn = og.TurnOptions(request)
+                turn.set_do_sample(False)
+                turn.set_max_generated_tokens(n_new)
+                request.begin_turn(np.asarray(prompts[nxt], dtype=np.int32), turn)
+                index[id(request)] = nxt
+                requests.append(request)  # the Engine holds them only while pending
+                nxt += 1
+            if not self.engine.has_pending_requests():
+                time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
+                continue
+            for ev in self.engine.run(events):
+                if ev.error_code != og.EngineErrorCode.NONE:
+                    raise RuntimeError(f"genai Engine: {ev.error_code} {ev.finish_reason}")
+                out[index[id(ev.request)]].append(int(ev.token))
+        wall = time.perf_counter() - t0
+        for request in requests:
+            request.close()
+        return out, wall
+
+
+async def daemon_arrivals(
+    client: Client, prompts: list[list[int]], n_new: int, arrivals: list[float]
+) -> tuple[list[list[int]], float]:
+    """Prompt i submitted as its own job ``arrivals[i]`` s after the start."""
+    out: list[list[int]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        await anyio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - t0)))
+        (result,) = await (await client.submit(greedy_items([prompts[i]], n_new))).results()
+        if result.status != "ok":
+            raise RuntimeError(f"daemon item {i} failed: {result.error}")
+        out[i] = result.token_ids
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return out, time.perf_counter() - t0
+
+
 def screened_prompts(engine: Engine, n: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` prompts (BOS + random ids) that each decode ``N_NEW`` tokens without eos."""
     rng = np.random.default_rng(seed)
@@ -136,6 +232,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         model, EngineOptions(intra_op_threads=args.threads, min_bucket=256, max_batch=1)
     )
     peer = GenaiPeer(model, args.threads)
+    engine_peers = {n: GenaiEngine(model, args.threads, n) for n in sizes}
     spec = engine.spec
     print(
         f"genai-builder model '{args.size}': hidden {spec.hidden_size}, {spec.num_layers} layers, "
@@ -171,6 +268,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"kvmux / Generator = {single['ratio']:.3f}")
 
     rows = []
+    arrival_rows: list[dict[str, Any]] = []
     tables = {"kv": {"min_bucket": 256}, "scheduler": {"max_active_sessions": max(sizes)}}
     async with (
         kvmuxd(model, threads=args.threads, tables=tables) as daemon,
@@ -179,7 +277,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         await run_daemon(client, one, 8)
         for n in sizes:
             prompts = prompts_all[:n]
-            order = ["engine", "sliced", "daemon", "seq", "batch"]
+            order = ["engine", "sliced", "daemon", "seq", "batch", "oga_engine"]
             if n > 16:
                 order.remove("seq")  # minutes per repeat, and known to be slowest
             walls: dict[str, list[float]] = {k: [] for k in order}
@@ -195,6 +293,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     elif side == "daemon":
                         r = await run_daemon(client, prompts, N_NEW)
                         toks, w = [r.tokens[i] for i in range(n)], r.wall
+                    elif side == "oga_engine":
+                        toks, w = await anyio.to_thread.run_sync(
+                            engine_peers[n].run, prompts, N_NEW
+                        )
                     elif side == "seq":
                         toks, w = await anyio.to_thread.run_sync(peer.sequential, prompts, N_NEW)
                     else:
@@ -207,11 +309,49 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             row = {"n": n, **{f"{k}_tokens_per_s": tps(total, v) for k, v in walls.items()}}
             rows.append(row)
             print(f"N={n}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "n"))
+
+        # Staggered arrivals: what a static batch cannot serve as they come.
+        one_session = N_NEW / single["kvmux_tokens_per_s"]
+        for n in sizes:
+            prompts = prompts_all[:n]
+            gap = args.gap if args.gap is not None else 0.5 * one_session / n
+            arrivals = [i * gap for i in range(n)]
+            order = ["daemon", "oga_engine", "batch_after_last"]
+            walls = {k: [] for k in order}
+            want = None
+            for rep in range(repeats):
+                k = rep % len(order)
+                for side in order[k:] + order[:k]:
+                    if side == "daemon":
+                        toks, w = await daemon_arrivals(client, prompts, N_NEW, arrivals)
+                    elif side == "oga_engine":
+                        toks, w = await anyio.to_thread.run_sync(
+                            engine_peers[n].run, prompts, N_NEW, arrivals
+                        )
+                    else:
+                        toks, w = await anyio.to_thread.run_sync(peer.batches, prompts, N_NEW)
+                        w += arrivals[-1]
+                    want = want or toks
+                    if toks != want:
+                        raise AssertionError(f"N={n} arrivals: {side} decoded other tokens")
+                    walls[side].append(w)
+            total = n * N_NEW
+            arow = {
+                "n": n,
+                "gap_s": gap,
+                **{f"{k}_tokens_per_s": tps(total, v) for k, v in walls.items()},
+            }
+            arrival_rows.append(arow)
+            print(
+                f"N={n} arriving {gap * 1000:.0f} ms apart: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in arow.items() if k.endswith("_per_s"))
+            )
     result["rows"] = rows
+    result["arrivals"] = arrival_rows
     print(
         f"\n{'N':>3}{'kvmux engine':>14}{'time-sliced':>13}{'kvmux daemon':>14}{'genai seq':>11}"
-        f"{'genai batch':>13}{'engine/batch':>14}{'sliced/batch':>14}{'daemon/batch':>14}"
-        "   (tokens/s)"
+        f"{'genai batch':>13}{'genai Engine':>14}{'engine/batch':>14}{'sliced/batch':>14}"
+        f"{'daemon/batch':>14}{'daemon/Engine':>15}   (tokens/s)"
     )
     for row in rows:
         batch = row["batch_tokens_per_s"]
@@ -219,9 +359,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"{row['n']:>3}{row['engine_tokens_per_s']:>14.1f}{row['sliced_tokens_per_s']:>13.1f}"
             f"{row['daemon_tokens_per_s']:>14.1f}{'-' if seq is None else f'{seq:.1f}':>11}"
-            f"{batch:>13.1f}{row['engine_tokens_per_s'] / batch:>14.3f}"
+            f"{batch:>13.1f}{row['oga_engine_tokens_per_s']:>14.1f}"
+            f"{row['engine_tokens_per_s'] / batch:>14.3f}"
             f"{row['sliced_tokens_per_s'] / batch:>14.3f}"
             f"{row['daemon_tokens_per_s'] / batch:>14.3f}"
+            f"{row['daemon_tokens_per_s'] / row['oga_engine_tokens_per_s']:>15.3f}"
+        )
+    print(
+        f"\n{'N':>3}{'gap ms':>8}{'kvmux daemon':>14}{'genai Engine':>14}"
+        f"{'batch after last':>18}{'daemon/Engine':>15}{'daemon/batch':>14}   (arrivals, tokens/s)"
+    )
+    for arow in arrival_rows:
+        d = arow["daemon_tokens_per_s"]
+        print(
+            f"{arow['n']:>3}{arow['gap_s'] * 1000:>8.0f}{d:>14.1f}"
+            f"{arow['oga_engine_tokens_per_s']:>14.1f}{arow['batch_after_last_tokens_per_s']:>18.1f}"
+            f"{d / arow['oga_engine_tokens_per_s']:>15.3f}"
+            f"{d / arow['batch_after_last_tokens_per_s']:>14.3f}"
         )
     return result
 
@@ -233,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="fixture", choices=sorted(SIZES))
     ap.add_argument("--sizes", default="4,16", help="session counts N, comma-separated")
     ap.add_argument("--repeats", type=int, default=0, help="runs per side (0: 5, --quick 3)")
+    ap.add_argument(
+        "--gap",
+        type=float,
+        default=None,
+        help="seconds between arrivals (default: N arrivals over half of one session's decode)",
+    )
     args = ap.parse_args(argv)
     result = anyio.run(bench, args)
     path = write_json(f"genai-{args.size}", result)
