@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -20,10 +20,10 @@ from rich.text import Text
 from .. import protocol as p
 from .._client import Client, Job
 from ..errors import DaemonUnreachable, KvmuxError, NotFound, NotReady
-from .batch import Batch, read_batch
-from .connect import INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
+from .batch import Batch, BatchReader, LineError
+from .connect import COULD_NOT_RUN, INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
 from .progress import Reporter, failure_label, make_reporter
-from .results import ResultWriter, refused_line, result_line
+from .results import Outputs, ResultSink, done_ids, open_outputs, resolve_format
 
 T = TypeVar("T")
 
@@ -31,32 +31,50 @@ T = TypeVar("T")
 _GOODBYE_SECONDS = 2.0
 
 
-def load_batch(path: str) -> Batch:
-    """Parse a batch file (``-`` = stdin); an unreadable file ends the command."""
+def load_batch(path: str, skip: set[str]) -> tuple[Batch, int]:
+    """Parse a batch file (``-`` = stdin), leaving out the custom_ids in ``skip``;
+    an unreadable file ends the command. Returns the batch and the lines skipped."""
     try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        stream = sys.stdin.buffer if path == "-" else Path(path).open("rb")  # noqa: SIM115
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
-    batch = read_batch(line.rstrip(b"\r") for line in data.split(b"\n"))
-    if batch.total == 0:
+    reader = BatchReader(stream, skip)
+    with stream:
+        batch = Batch(openai=None)
+        for entry in reader:
+            if isinstance(entry, LineError):
+                batch.errors.append(entry)
+            else:
+                batch.items.append(entry)
+    batch.openai = reader.openai
+    if batch.total == 0 and not reader.skipped:
         raise CliError(f"{path} holds no items (every line is blank)")
-    return batch
+    return batch, reader.skipped
 
 
 async def submit(args: argparse.Namespace) -> int:
     """``kvmux submit FILE``: run a batch, writing results as they finish."""
-    batch = load_batch(args.file)
-    with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
-        writer = _open_writer(args.out, reporter, stack, detached=args.detach)
-        for err in batch.errors:
-            if writer is not None:
-                writer.write(refused_line(err))
-            reporter.note(failure_label(err.custom_id, err.to_info(), line=err.line))
-        if not batch.items:
-            reporter.note(f"no line of {args.file} is a valid item: nothing submitted")
-            return ITEMS_FAILED
+    skip = done_ids(args.out) if args.resume and args.out else set()
+    batch, skipped = load_batch(args.file, skip)
+    fmt = resolve_format(args.format, batch.openai)
+    with make_reporter(quiet=args.quiet) as reporter:
+        if skipped:
+            reporter.note(f"--resume: {skipped} line(s) of {args.file} already have results")
+        if batch.total == 0:
+            reporter.note(f"every line of {args.file} has a result in {args.out}: nothing to run")
+            return OK
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
+        stdout = None if args.out is not None or args.detach else reporter.stdout_writer()
+        outputs = open_outputs(fmt, args.out, args.errors, stdout, resume=args.resume)
+        outputs.sink.model = conn.client.welcome.model if conn.client.welcome else ""
         try:
+            for err in batch.errors:
+                reporter.note(failure_label(err.custom_id, err.to_info(), line=err.line))
+            if not batch.items:
+                reporter.note(f"no line of {args.file} is a valid item: nothing submitted")
+                _refused(outputs.sink, batch.errors, detached=args.detach)
+                outputs.finish()
+                return COULD_NOT_RUN
             job = await conn.when_ready(
                 lambda: conn.client.submit(
                     batch.items, detach=args.detach, name=Path(args.file).name
@@ -69,32 +87,40 @@ async def submit(args: argparse.Namespace) -> int:
                     f"`kvmux results {job.job_id}`"
                 )
                 return ITEMS_FAILED if batch.errors else OK
+            # Written once the job is accepted: a refused job leaves --out as it was.
+            _refused(outputs.sink, batch.errors, detached=False)
             reporter.start(job.job_id, batch.total)
             for _ in batch.errors:
                 reporter.item(ok=False)
             try:
-                await conn.follow(job, reporter, _need(writer), batch.lines)
+                await conn.follow(job, reporter, outputs.sink)
             except asyncio.CancelledError:
                 _uncancel()
                 with contextlib.suppress(KvmuxError, TimeoutError):
                     await asyncio.wait_for(conn.client.cancel(job.job_id), _GOODBYE_SECONDS)
                 return _interrupted(reporter, f"job {job.job_id} cancelled")
+            outputs.finish()
         finally:
+            outputs.close()
             await conn.client.close()
         return _finish(reporter, args.out)
 
 
 async def results(args: argparse.Namespace) -> int:
     """``kvmux results JOB_ID``: re-attach to a job and write all of its results."""
-    with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
-        writer = _need(_open_writer(args.out, reporter, stack, detached=False))
+    with make_reporter(quiet=args.quiet) as reporter:
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
+        outputs: Outputs | None = None
         try:
             job = await conn.when_ready(lambda: conn.client.attach(args.job_id))
             await job.fetch_results()  # what finished before the attach
+            fmt = resolve_format(args.format, job.format == "openai")
+            stdout = None if args.out is not None else reporter.stdout_writer()
+            outputs = open_outputs(fmt, args.out, args.errors, stdout)
+            outputs.sink.model = conn.client.welcome.model if conn.client.welcome else ""
             reporter.start(job.job_id, job.total)
             try:
-                await conn.follow(job, reporter, writer, None)
+                await conn.follow(job, reporter, outputs.sink)
             except asyncio.CancelledError:
                 _uncancel()
                 # Attaching made this client the job's owner; detach so that
@@ -104,7 +130,10 @@ async def results(args: argparse.Namespace) -> int:
                 return _interrupted(
                     reporter, f"job {job.job_id} keeps running; `kvmux results {job.job_id}` again"
                 )
+            outputs.finish()
         finally:
+            if outputs is not None:
+                outputs.close()
             await conn.client.close()
         return _finish(reporter, args.out)
 
@@ -127,16 +156,14 @@ class _Connection:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def follow(
-        self, job: Job, reporter: Reporter, writer: ResultWriter, line_of: Sequence[int] | None
-    ) -> None:
+    async def follow(self, job: Job, reporter: Reporter, sink: ResultSink) -> None:
         """Collect every result of ``job``; if kvmuxd goes away (a restart, an upgrade, a
         crash), wait up to --wait-daemon seconds for it, re-attach and go on."""
         seen: set[int] = set()
         wait = self.args.wait_daemon
         while True:
             try:
-                await _collect(job, reporter, writer, line_of, seen)
+                await _collect(job, reporter, sink, seen)
                 return
             except (DaemonUnreachable, NotReady) as exc:
                 if wait <= 0:
@@ -220,8 +247,7 @@ async def cancel(args: argparse.Namespace) -> int:
 async def _collect(
     job: Job,
     reporter: Reporter,
-    writer: ResultWriter,
-    line_of: Sequence[int] | None,
+    sink: ResultSink,
     seen: set[int],
 ) -> None:
     """Write every result of ``job`` not in ``seen`` once, as it finishes, and feed the
@@ -231,11 +257,12 @@ async def _collect(
         if result.index in seen:
             return
         seen.add(result.index)
-        line = line_of[result.index] if line_of is not None else None
-        writer.write(result_line(result, line))
+        sink.result(result)
         label = None
         if result.error is not None:
-            label = failure_label(result.custom_id, result.error, line=line, index=result.index)
+            label = failure_label(
+                result.custom_id, result.error, line=result.line, index=result.index
+            )
         reporter.item(result.status == "ok", label)
 
     # Results that finished before an attach (fetched after it) or were already routed.
@@ -261,22 +288,10 @@ async def _collect(
         ) from exc
 
 
-def _open_writer(
-    out: str | None, reporter: Reporter, stack: contextlib.ExitStack, *, detached: bool
-) -> ResultWriter | None:
-    if out is None:
-        # A detached submit prints only the job id on stdout, for scripts.
-        return None if detached else reporter.stdout_writer()
-    try:
-        stream = stack.enter_context(Path(out).open("w", encoding="utf-8"))  # noqa: SIM115
-    except OSError as exc:
-        raise CliError(f"cannot write {out}: {exc.strerror or exc}") from None
-    return ResultWriter.to_stream(stream)
-
-
-def _need(writer: ResultWriter | None) -> ResultWriter:
-    assert writer is not None, "only a detached submit has no writer"
-    return writer
+def _refused(sink: ResultSink, errors: list[LineError], *, detached: bool) -> None:
+    if not detached:
+        for err in errors:
+            sink.refused(err)
 
 
 def _finish(reporter: Reporter, out: str | None) -> int:
