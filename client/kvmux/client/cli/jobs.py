@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import contextlib
+import itertools
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -18,9 +20,9 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import protocol as p
-from .._client import Client, Job
-from ..errors import DaemonUnreachable, KvmuxError, NotFound, NotReady
-from .batch import Batch, read_batch
+from .._client import Chunk, Client, Feeder, Job
+from ..errors import BadRequest, DaemonUnreachable, KvmuxError, NotFound, NotReady, ShuttingDown
+from .batch import LineError, parse_line
 from .connect import INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
 from .progress import Reporter, failure_label, make_reporter
 from .results import ResultWriter, refused_line, result_line
@@ -31,49 +33,81 @@ T = TypeVar("T")
 _GOODBYE_SECONDS = 2.0
 
 
-def load_batch(path: str) -> Batch:
-    """Parse a batch file (``-`` = stdin); an unreadable file ends the command."""
+def read_entries(path: str) -> Iterator[p.Item | LineError]:
+    """The lines of a batch file (``-`` = stdin) as items or refusals, in file order, read
+    lazily: a file of any size is never in memory at once. Each item carries its line."""
     try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        stream = sys.stdin.buffer if path == "-" else Path(path).open("rb")  # noqa: SIM115
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
-    batch = read_batch(line.rstrip(b"\r") for line in data.split(b"\n"))
-    if batch.total == 0:
-        raise CliError(f"{path} holds no items (every line is blank)")
-    return batch
+    try:
+        for number, raw in enumerate(stream, start=1):
+            raw = raw.rstrip(b"\r\n")
+            if not raw.strip():
+                continue
+            try:
+                item = parse_line(raw, number)
+            except LineError as exc:
+                yield exc
+                continue
+            yield item if item.line is not None else msgspec.structs.replace(item, line=number)
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+
+
+def _first_item(path: str) -> tuple[list[p.Item | LineError], Iterator[p.Item | LineError]]:
+    """Read up to the first item: what came before it (refusals) and it, and the rest."""
+    entries = read_entries(path)
+    head: list[p.Item | LineError] = []
+    for entry in entries:
+        head.append(entry)
+        if isinstance(entry, p.Item):
+            break
+    return head, entries
 
 
 async def submit(args: argparse.Namespace) -> int:
-    """``kvmux submit FILE``: run a batch, writing results as they finish."""
-    batch = load_batch(args.file)
+    """``kvmux submit FILE``: stream a batch into one job, writing results as they finish."""
+    head, rest = _first_item(args.file)
+    if not head:
+        raise CliError(f"{args.file} holds no items (every line is blank)")
     with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
-        writer = _open_writer(args.out, reporter, stack, detached=args.detach)
-        for err in batch.errors:
-            if writer is not None:
-                writer.write(refused_line(err))
-            reporter.note(failure_label(err.custom_id, err.to_info(), line=err.line))
-        if not batch.items:
+        if not isinstance(head[-1], p.Item):
+            # Nothing to run: say why for each line, and submit no job.
+            writer = _open_writer(args.out, reporter, stack, detached=False)
+            for err in head:
+                assert isinstance(err, LineError)
+                if writer is not None:
+                    writer.write(refused_line(err))
+                reporter.note(failure_label(err.custom_id, err.to_info(), line=err.line))
             reporter.note(f"no line of {args.file} is a valid item: nothing submitted")
             return ITEMS_FAILED
+        writer = _open_writer(args.out, reporter, stack, detached=args.detach)
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
+        name = "stdin" if args.file == "-" else Path(args.file).name
         try:
+            # Detached only once every line is in: an interrupted upload is cancelled.
             job = await conn.when_ready(
-                lambda: conn.client.submit(
-                    batch.items, detach=args.detach, name=Path(args.file).name
-                )
+                lambda: conn.client.submit([], more=True, name=name, keep_results=False)
             )
-            if args.detach:
-                print(job.job_id, flush=True)
-                reporter.note(
-                    f"job {job.job_id} runs detached ({len(batch.items)} items); collect it with "
-                    f"`kvmux results {job.job_id}`"
-                )
-                return ITEMS_FAILED if batch.errors else OK
-            reporter.start(job.job_id, batch.total)
-            for _ in batch.errors:
-                reporter.item(ok=False)
+            feed = _Feed(Feeder(itertools.chain(head, rest), conn.client), reporter)
+            reporter.start(job.job_id, 0)
             try:
-                await conn.follow(job, reporter, _need(writer), batch.lines)
+                if args.detach:
+                    job.close()  # its events are not wanted here
+                    job = await conn.follow(job, reporter, None, feed)
+                    await conn.client.detach(job.job_id)
+                    print(job.job_id, flush=True)
+                    reporter.stop()
+                    reporter.note(
+                        f"job {job.job_id} runs detached ({job.total} items); collect it with "
+                        f"`kvmux results {job.job_id}`"
+                    )
+                    return ITEMS_FAILED if feed.refused else OK
+                await conn.follow(job, reporter, _need(writer), feed)
             except asyncio.CancelledError:
                 _uncancel()
                 with contextlib.suppress(KvmuxError, TimeoutError):
@@ -84,14 +118,40 @@ async def submit(args: argparse.Namespace) -> int:
         return _finish(reporter, args.out)
 
 
+class _Feed:
+    """The lines of a file going into an open job, and what the display learns of them."""
+
+    def __init__(self, feeder: Feeder, reporter: Reporter) -> None:
+        self.feeder = feeder
+        self.reporter = reporter
+        # The input line of each item index, for results that do not carry theirs.
+        self.lines = array.array("q")
+        self.refused = 0
+        self.on_lines: Callable[[], None] = lambda: None
+
+    def added(self, chunk: Chunk, total: int) -> None:
+        missing = total - len(chunk) - len(self.lines)
+        if missing > 0:  # added before a restart by a message this run never saw answered
+            self.lines.extend([0] * missing)
+        self.lines.extend(line or 0 for line in chunk.lines())
+        self.refused += len(chunk.rejected)
+        self.reporter.grow(total)
+        self.on_lines()
+
+    def line_of(self, index: int) -> int | None:
+        return (self.lines[index] or None) if index < len(self.lines) else None
+
+    async def run(self, job: Job) -> None:
+        await self.feeder.run(job, on_wait=self.reporter.waiting, on_added=self.added)
+
+
 async def results(args: argparse.Namespace) -> int:
     """``kvmux results JOB_ID``: re-attach to a job and write all of its results."""
     with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
         writer = _need(_open_writer(args.out, reporter, stack, detached=False))
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
         try:
-            job = await conn.when_ready(lambda: conn.client.attach(args.job_id))
-            await job.fetch_results()  # what finished before the attach
+            job = await conn.when_ready(lambda: conn.client.attach(args.job_id, keep_results=False))
             reporter.start(job.job_id, job.total)
             try:
                 await conn.follow(job, reporter, writer, None)
@@ -128,23 +188,22 @@ class _Connection:
                 await asyncio.sleep(0.2)
 
     async def follow(
-        self, job: Job, reporter: Reporter, writer: ResultWriter, line_of: Sequence[int] | None
-    ) -> None:
-        """Collect every result of ``job``; if kvmuxd goes away (a restart, an upgrade, a
-        crash), wait up to --wait-daemon seconds for it, re-attach and go on."""
-        seen: set[int] = set()
+        self, job: Job, reporter: Reporter, writer: ResultWriter | None, feed: _Feed | None
+    ) -> Job:
+        """Send ``feed``'s lines into ``job`` (if any) while collecting every result (if
+        ``writer``); if kvmuxd goes away (a restart, an upgrade, a crash), wait up to
+        --wait-daemon seconds for it, re-attach and go on from where it is. Returns the
+        job's handle (a new one after a re-attach)."""
+        seen = bytearray()  # one byte per item index: written already
         wait = self.args.wait_daemon
         while True:
             try:
-                await _collect(job, reporter, writer, line_of, seen)
-                return
-            except (DaemonUnreachable, NotReady) as exc:
+                await _run(job, reporter, writer, feed, seen)
+                return job
+            except (DaemonUnreachable, NotReady, ShuttingDown) as exc:
                 if wait <= 0:
                     reporter.stop()
-                    raise CliError(
-                        f"{exc} Job {job.job_id}: {len(seen)} of {job.total} results written "
-                        "before this."
-                    ) from exc
+                    raise CliError(f"{exc} {_so_far(job, seen)}") from exc
                 why = exc.details.get("reason", exc)
                 reporter.note(
                     f"kvmuxd went away ({why}); waiting up to {wait:g} s for it to come back, "
@@ -154,20 +213,66 @@ class _Connection:
                 await self.client.close()
             try:
                 self.client = await open_client(self.args.endpoint, self.args.timeout, wait=wait)
-                job = await self.when_ready(partial(self.client.attach, job.job_id))
+                job = await self.when_ready(
+                    partial(self.client.attach, job.job_id, keep_results=False)
+                )
             except (DaemonUnreachable, NotReady):
                 raise CliError(
-                    f"kvmuxd did not come back within {wait:g} s (--wait-daemon). Job "
-                    f"{job.job_id}: {len(seen)} of {job.total} results written; collect the rest "
-                    f"with `kvmux results {job.job_id}` once it is back."
+                    f"kvmuxd did not come back within {wait:g} s (--wait-daemon). "
+                    f"{_so_far(job, seen)} Collect the rest with `kvmux results {job.job_id}` "
+                    "once it is back."
                 ) from None
             except NotFound:
                 raise CliError(
                     f"kvmuxd came back without job {job.job_id} (it keeps no journal: "
-                    f'jobs.journal = ""); {len(seen)} of {job.total} results were written.'
+                    f'jobs.journal = ""). {_so_far(job, seen)}'
                 ) from None
-            await job.fetch_results()
+            if writer is None:
+                job.close()
+            if feed is not None:
+                try:
+                    feed.feeder.resume(job.total)
+                except BadRequest as exc:
+                    raise CliError(f"{exc} Job {job.job_id}.") from None
             reporter.note(f"re-attached to job {job.job_id}")
+
+
+def _so_far(job: Job, seen: bytearray) -> str:
+    return f"Job {job.job_id}: {sum(seen)} of {job.total} results written before this."
+
+
+async def _run(
+    job: Job,
+    reporter: Reporter,
+    writer: ResultWriter | None,
+    feed: _Feed | None,
+    seen: bytearray,
+) -> None:
+    """Feed and collect at once; the first to fail ends the other."""
+    tasks = []
+    if feed is not None and not feed.feeder.closed:
+        tasks.append(asyncio.create_task(feed.run(job)))
+    if writer is not None:
+        tasks.append(asyncio.create_task(_collect(job, reporter, writer, feed, seen)))
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                exc = task.exception()
+                if exc is not None:
+                    raise exc
+    except (DaemonUnreachable, NotReady, ShuttingDown):
+        raise  # the caller waits for the daemon to come back
+    except KvmuxError as exc:
+        reporter.stop()
+        raise CliError(f"{exc} {_so_far(job, seen)}") from exc
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 async def list_jobs(args: argparse.Namespace) -> int:
@@ -221,44 +326,53 @@ async def _collect(
     job: Job,
     reporter: Reporter,
     writer: ResultWriter,
-    line_of: Sequence[int] | None,
-    seen: set[int],
+    feed: _Feed | None,
+    seen: bytearray,
 ) -> None:
-    """Write every result of ``job`` not in ``seen`` once, as it finishes, and feed the
+    """Write every result of ``job`` not yet ``seen`` once, as it finishes, and feed the
     progress display."""
+    held: dict[int, p.ItemResult] = {}
 
     def record(result: p.ItemResult) -> None:
-        if result.index in seen:
+        index = result.index
+        if index >= len(seen):
+            seen.extend(bytes(index + 1 - len(seen)))
+        if seen[index]:
             return
-        seen.add(result.index)
-        line = line_of[result.index] if line_of is not None else None
+        line = result.line
+        if line is None and feed is not None:
+            if index >= len(feed.lines):
+                # Its message's answer has not been read yet: it names the line.
+                held[index] = result
+                return
+            line = feed.line_of(index)
+        seen[index] = 1
         writer.write(result_line(result, line))
         label = None
         if result.error is not None:
             label = failure_label(result.custom_id, result.error, line=line, index=result.index)
         reporter.item(result.status == "ok", label)
 
-    # Results that finished before an attach (fetched after it) or were already routed.
-    for index in sorted(job.results_by_index):
-        record(job.results_by_index[index])
-    try:
-        async for event in job.events():
-            match event:
-                case p.TokenDelta(token_ids=ids):
-                    reporter.tokens(len(ids))
-                case p.ItemFinished(result=result):
-                    record(result)
-        if len(seen) < job.total:
-            # The stream dropped an event: the results call re-attaches for the rest.
-            for result in await job.results():
+    def release() -> None:
+        assert feed is not None
+        for index in sorted(i for i in held if i < len(feed.lines)):
+            record(held.pop(index))
+
+    if feed is not None:
+        feed.on_lines = release
+    # Results that finished before an attach (live ones are deduplicated by index).
+    async for result in job.result_pages():
+        record(result)
+    async for event in job.events():
+        match event:
+            case p.TokenDelta(token_ids=ids):
+                reporter.tokens(len(ids))
+            case p.ItemFinished(result=result):
                 record(result)
-    except (DaemonUnreachable, NotReady):
-        raise  # the caller waits for the daemon to come back
-    except KvmuxError as exc:
-        reporter.stop()
-        raise CliError(
-            f"{exc} Job {job.job_id}: {len(seen)} of {job.total} results written before this."
-        ) from exc
+    if sum(seen) < job.total:
+        # The stream dropped an event: the daemon has every result.
+        async for result in job.result_pages():
+            record(result)
 
 
 def _open_writer(
