@@ -1,0 +1,69 @@
+"""A file far beyond one message's limits: ``kvmux submit`` streams it into one job.
+
+20,000 lines (the 50,000-line run, with memory figures, is ``bench/bench_batchfile.py``)
+through a real ``kvmuxd`` process whose ``max_job_items`` and ``max_message_bytes``
+are a small fraction of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import anyio
+import pytest
+
+from bench.bench_batchfile import submit_file, write_lines
+from bench.bench_daemon import kvmuxd
+from kvmux.client import Client
+
+pytestmark = pytest.mark.anyio
+
+LINES = 20_000
+TABLES: dict[str, dict[str, object]] = {
+    "server": {"max_message_bytes": 32 * 1024},
+    "kv": {"min_bucket": 16},
+    "scheduler": {
+        "max_active_sessions": 64,
+        "max_job_items": 500,
+        "max_queued_items": 1000,
+        "prefill_chunk": 64,
+    },
+    "log": {"level": "warning"},
+}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_a_file_of_20000_lines_is_one_job_with_a_result_for_every_line(
+    tiny_model: Path,
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvl-") as tmp:
+        work = Path(tmp)
+        batch = write_lines(work / "big.jsonl", LINES)
+        with batch.open("a") as f:
+            f.write("{not json\n")  # line LINES + 1: refused, and still has its result
+        out = work / "out.jsonl"
+        async with kvmuxd(tiny_model, threads=1, tables=TABLES) as d:
+            with anyio.fail_after(240):
+                done = await anyio.to_thread.run_sync(lambda: submit_file(d.endpoint, batch, out))
+            async with Client(d.endpoint) as client:
+                jobs = await client.jobs()
+        results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert done.returncode == 2, done.stderr[-2000:]  # one line failed
+    assert [(j.total, j.ok, j.failed, j.state) for j in jobs] == [(LINES + 1, LINES, 1, "done")]
+    by_id = {r["custom_id"]: r for r in results}
+    assert len(results) == len(by_id) == LINES + 1
+    assert set(by_id) == {f"r{i}" for i in range(LINES)} | {f"line-{LINES + 1}"}
+    refused = by_id[f"line-{LINES + 1}"]
+    assert refused["status"] == "error" and refused["error"]["code"] == "bad_request"
+    assert refused["line"] == LINES + 1
+    for i in (0, 1, 4999, LINES - 1):
+        r = by_id[f"r{i}"]
+        assert r["status"] == "ok" and r["line"] == i + 1
+        assert len(r["token_ids"]) <= 1 + i % 2
+    assert all(r["status"] == "ok" for r in results if r["custom_id"].startswith("r"))
