@@ -110,7 +110,10 @@ def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
         (line({"prompt": "x", "stop": ["ok", ""]}), "`stop[1]`"),
         (line({"max_tokens": 3}), "exactly one of `prompt`, `prompt_tokens` and `messages`"),
         (line({"prompt": "x", "max_tokens": 1, "max_new_tokens": 1}), "not both"),
-        (line({"prompt": [1, "a"]}), "`prompt[0]` must be text or a list of token ids, got a number"),
+        (
+            line({"prompt": [1, "a"]}),
+            "`prompt[0]` must be text or a list of token ids, got a number",
+        ),
         (line({"prompt": []}), "`prompt` is empty"),
         (line({"prompt": "x", "n": 0}), "`n` must be a whole number"),
         (line({"prompt": "x", "max_tokens": 2.5}), "`max_tokens`"),

@@ -431,6 +431,10 @@ class ResultWriter:
         self.written += 1
 
 
+def _nowhere(data: bytes) -> None:
+    del data
+
+
 class Outputs:
     """A command's result sink and the files behind it (``--out``, ``--errors``)."""
 
@@ -465,9 +469,10 @@ def open_outputs(
         out_file = OutFile(out, append=resume)
         files.append(out_file)
         out_write = out_file.write
-    else:
-        assert stdout is not None, "results go to --out or stdout"
+    elif stdout is not None:
         out_write = stdout.raw
+    else:  # a detached submit: its results stay with the daemon
+        out_write = _nowhere
     err_write: Callable[[bytes], object] | None = None
     if errors is not None:
         # Failures run again on --resume, so the error file holds this run's only.
