@@ -269,3 +269,15 @@ def test_a_file_where_nothing_parsed_exits_1(kvmuxd: Kvmuxd, tmp_path: Path, con
     src.write_text(content)
     done = kvmuxd.run("submit", str(src), "-q")
     assert done.returncode == 1, done.stderr
+
+
+def test_endpoint_normalization() -> None:
+    from kvmux.client.endpoint import normalize_endpoint
+
+    assert normalize_endpoint("/run/k.sock") == "ipc:///run/k.sock"
+    assert normalize_endpoint("localhost:5555") == "tcp://localhost:5555"
+    assert normalize_endpoint("10.0.0.1:1") == "tcp://10.0.0.1:1"
+    assert normalize_endpoint("tcp://h:1") == "tcp://h:1"
+    for bad in ("localhost", "ftp://x", "a b:1"):
+        with pytest.raises(ValueError, match=r"ipc:///path/to/kvmuxd\.sock"):
+            normalize_endpoint(bad)
