@@ -191,8 +191,11 @@ def test_failures_as_openai_writes_them_go_to_the_error_file() -> None:
     assert is_rejected(refused)
     sink.result(refused)
     sink.refused(LineError(3, "not valid JSON", "z"))
+    stopped = p.ErrorInfo("cancelled", "job cancelled", {})
+    sink.result(result(index=2, custom_id="k", status="error", error=stopped, text="par", line=4))
     assert out == []
-    ran, never, local = errors
+    ran, never, local, cancelled = errors
+    assert cancelled["response"] is None and cancelled["error"]["code"] == "batch_cancelled"
     assert ran["response"]["status_code"] == 400 and ran["error"] is None
     assert ran["response"]["body"]["error"]["code"] == "kv_capacity_exceeded"
     assert never["response"] is None and never["error"]["message"] == "line 2: nope"

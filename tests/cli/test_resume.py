@@ -298,3 +298,27 @@ def test_version_flags() -> None:
         assert done.returncode == 0
         name, version = done.stdout.split()
         assert name in ("kvmux", "kvmuxd") and version[0].isdigit()
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--resume"], "give --out"),
+        (["--out", "/nonexistent-dir/out.jsonl"], "missing or not writable"),
+        (["--out", "OUT", "--errors", "/nonexistent-dir/e.jsonl"], "missing or not writable"),
+    ],
+)
+def test_output_options_are_checked_before_anything_runs(
+    tmp_path: Path, extra: list[str], says: str
+) -> None:
+    src = batch(tmp_path / "in.jsonl", 1)
+    extra = [str(tmp_path / "out.jsonl") if a == "OUT" else a for a in extra]
+    done = subprocess.run(
+        kvmux_argv("submit", str(src), *extra, "--endpoint", str(tmp_path / "none.sock")),
+        capture_output=True,
+        text=True,
+        env=cli_env(None),
+        timeout=60,
+    )
+    assert done.returncode == 1 and says in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

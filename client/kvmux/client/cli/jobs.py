@@ -66,7 +66,9 @@ def _first_item(
 
 async def submit(args: argparse.Namespace) -> int:
     """``kvmux submit FILE``: stream a batch into one job, writing results as they finish."""
-    skip = done_ids(args.out) if args.resume and args.out else set()
+    if args.resume and args.out is None:
+        raise CliError("--resume continues the results in --out FILE: give --out")
+    skip = done_ids(args.out) if args.resume else set()
     readers: list[BatchReader] = []
 
     def reader(lines: Iterator[bytes]) -> BatchReader:

@@ -43,6 +43,7 @@ import msgspec
 
 from .. import protocol as p
 from .batch import LineError
+from .connect import CliError
 
 Format = Literal["kvmux", "openai"]
 PARTIAL_SUFFIX = ".partial"
@@ -52,13 +53,14 @@ _STATUS = {
     "bad_request": 400,
     "unauthorized": 401,
     "not_found": 404,
-    "cancelled": 499,
     "overloaded": 429,
     "kv_capacity_exceeded": 400,
     "shutdown": 503,
     "not_ready": 503,
     "storage_full": 507,
 }
+# Items stopped before they finished, not failed by what they asked.
+_STOPPED = frozenset({"cancelled", "shutdown"})
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
 
 
@@ -126,6 +128,10 @@ def openai_line(results: list[p.ItemResult], model: str) -> dict[str, Any]:
     first = results[0]
     failed = next((r for r in results if r.status != "ok"), None)
     response: dict[str, Any] = {"status_code": 200, "request_id": uuid.uuid4().hex}
+    if failed is not None and failed.error is not None and failed.error.code in _STOPPED:
+        # As the Batch API reports the requests of a cancelled batch; the
+        # partial text stays in kvmux's format.
+        return openai_refused(first.custom_id, failed.error.message, "batch_cancelled")
     if failed is not None:
         info = failed.error or p.ErrorInfo(code="internal", message="failed")
         status = _STATUS.get(info.code, 500)
@@ -157,13 +163,13 @@ def openai_line(results: list[p.ItemResult], model: str) -> dict[str, Any]:
     }
 
 
-def openai_refused(custom_id: str, message: str) -> dict[str, Any]:
-    """OpenAI's batch output object for a line that never ran."""
+def openai_refused(custom_id: str, message: str, code: str = "invalid_request") -> dict[str, Any]:
+    """OpenAI's batch output object for a line that never ran (or was stopped)."""
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": custom_id,
         "response": None,
-        "error": {"code": "invalid_request", "message": message},
+        "error": {"code": code, "message": message},
     }
 
 
@@ -290,7 +296,7 @@ class OutFile:
         try:
             self._fd = os.open(target, flags, 0o644)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from None
+            raise CliError(f"cannot write {target}: {exc.strerror or exc}") from None
         self._target = target
 
     def finish(self) -> None:
@@ -463,6 +469,11 @@ def open_outputs(
 ) -> Outputs:
     """The sink a command writes to: ``--out`` (else ``stdout``), failed lines to
     ``--errors`` if given. No file is opened until its first line."""
+    for path in (out, errors):
+        # Found out now rather than at the first result, minutes into a run.
+        folder = Path(path).resolve().parent if path is not None else None
+        if folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+            raise CliError(f"cannot write {path}: {folder} is missing or not writable")
     files: list[OutFile] = []
     out_write: Callable[[bytes], object]
     if out is not None:
