@@ -32,9 +32,10 @@ else the one a hand-started kvmuxd uses).
 
 _EPILOG = """\
 examples:
-  kvmuxd --config configs/local.toml &      # start a daemon for this user
+  kvmuxd --config configs/local.toml >kvmuxd.log 2>&1 &   # a daemon for this user
   kvmux status --wait 120                   # wait until it answers
   kvmux submit examples/prompts.jsonl --out results.jsonl
+  kvmux submit examples/openai-chat.jsonl --out out.jsonl   # OpenAI batch output
   kvmux generate "Once upon a time" --max-tokens 40
   kvmux logs -f
 
