@@ -284,3 +284,27 @@ def test_endpoint_normalization() -> None:
     for bad in ("localhost", "ftp://x", "a b:1"):
         with pytest.raises(ValueError, match=r"ipc:///path/to/kvmuxd\.sock"):
             normalize_endpoint(bad)
+
+
+def test_results_of_a_detached_openai_job_keep_its_format_and_refused_lines(
+    kvmuxd: Kvmuxd, tmp_path: Path
+) -> None:
+    src = tmp_path / "in.jsonl"
+    good = {"url": "/v1/completions", "method": "POST", "body": {"prompt": "hi", "max_tokens": 2}}
+    src.write_text(
+        json.dumps({"custom_id": "a", **good})
+        + "\n"
+        + json.dumps({"custom_id": "b", "url": "/v1/embeddings", "body": {"input": "x"}})
+        + "\n"
+    )
+    sent = kvmuxd.run("submit", str(src), "--detach", "-q")
+    assert sent.returncode == 2, sent.stderr  # one line refused
+    out = tmp_path / "out.jsonl"
+    got = kvmuxd.run("results", sent.stdout.strip(), "--out", str(out), "-q")
+    assert got.returncode == 2, got.stderr
+    lines = {r["custom_id"]: r for r in read_jsonl(out)}
+    assert lines["a"]["response"]["body"]["object"] == "text_completion"
+    assert lines["b"]["response"] is None
+    assert "computes no embeddings" in lines["b"]["error"]["message"]
+    again = kvmuxd.run("results", sent.stdout.strip(), "--format", "kvmux", "-q")
+    assert {json.loads(x)["status"] for x in again.stdout.splitlines()} == {"ok", "error"}
