@@ -116,6 +116,8 @@ def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
         ),
         (line({"prompt": []}), "`prompt` is empty"),
         (line({"prompt": "x", "n": 0}), "`n` must be a whole number"),
+        (line({"prompt": ["a"] * 1000, "n": 100}), "at most 65536"),
+        (line({"prompt": "x", "min_tokens": 1, "min_new_tokens": 1}), "not both"),
         (line({"prompt": "x", "max_tokens": 2.5}), "`max_tokens`"),
         (openai({"prompt": "x"}, url="/v1/chat/completions"), "takes `messages`, not `prompt`"),
         (openai({"messages": []}), "takes `prompt`, not `messages`"),

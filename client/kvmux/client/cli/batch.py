@@ -80,6 +80,7 @@ _NATIVE_FIELDS = _SAMPLING | {
     "prompt_tokens",
     "messages",
     "max_new_tokens",
+    "min_new_tokens",
     "logprobs",
 }
 _OPENAI_LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
@@ -119,6 +120,7 @@ _INTEGERS = frozenset(
         "max_new_tokens",
         "max_completion_tokens",
         "min_tokens",
+        "min_new_tokens",
         "top_k",
         "seed",
         "n",
@@ -128,6 +130,7 @@ _INTEGERS = frozenset(
         "max_context",
     }
 )
+_MAX_CHOICES = 1 << 16  # what one line's results can number (Item.choices)
 _PATH = re.compile(r"`\$\.(\w+)([^`]*)`")
 
 
@@ -394,6 +397,8 @@ def _to_items(
         rename("max_tokens", "max_new_tokens")
     elif "max_new_tokens" not in given and default_max_tokens is not None:
         given["max_new_tokens"] = default_max_tokens
+    if "min_tokens" in given and "min_new_tokens" in given:
+        raise LineError(line, "give `min_tokens` or `min_new_tokens`, not both")
     if "min_tokens" in given:
         rename("min_tokens", "min_new_tokens")
     stop = given.get("stop")
@@ -413,6 +418,10 @@ def _to_items(
     given.setdefault("custom_id", f"line-{line}")
     seed = given.get("seed")
     choices = len(prompts) * n
+    if choices > _MAX_CHOICES:
+        raise LineError(
+            line, f"{len(prompts)} prompts x n={n} is {choices} completions; at most {_MAX_CHOICES}"
+        )
     items = []
     for i, prompt in enumerate(prompts):
         for j in range(n):
