@@ -63,6 +63,8 @@ def test_the_completions_lines_parse_with_choices_in_openais_order() -> None:
     ]
     assert {(i.custom_id, i.line) for i in listed} == {("request-2", 2)}
     assert last.max_new_tokens == 10 and last.logprobs == 2  # 10.0 taken as 10
+    # The reader's own checks are the wire's: what it yields passes check_item as is.
+    assert all(p.check_item(item) == item for item in batch.items)
 
 
 def test_chat_content_parts_flatten_and_other_parts_are_refused() -> None:
