@@ -156,6 +156,11 @@ def test_openai_lines_gather_every_choice_of_a_line() -> None:
         (1, "B", "length"),
     ]
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+    # A job that ended without some choice of a line still writes what it has.
+    sink.result(result(custom_id="s", choice=0, choices=3, text="C", usage=usage))
+    assert len(out) == 1
+    sink.flush()
+    assert [c["text"] for c in out[1]["response"]["body"]["choices"]] == ["C"]
 
 
 def test_openai_chat_body_and_logprobs_shapes() -> None:

@@ -359,6 +359,13 @@ class ResultSink:
         else:
             self._emit(openai_refused(err.custom_id, str(err)), ok=False)
 
+    def flush(self) -> None:
+        """Write the lines still missing some choices with those they have (the job is
+        over: the rest will not come)."""
+        groups, self._groups = self._groups, {}
+        for group in groups.values():
+            self._emit(openai_line(group, self.model), ok=all(r.status == "ok" for r in group))
+
     @property
     def pending(self) -> int:
         """Lines still waiting for some of their choices."""
@@ -450,6 +457,7 @@ class Outputs:
 
     def finish(self) -> None:
         """Every result is written: put each file in place (a ``.partial`` over the old)."""
+        self.sink.flush()
         for f in self.files:
             f.finish()
 
