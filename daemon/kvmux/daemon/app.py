@@ -218,7 +218,8 @@ class Daemon:
         scheduler.draining = True
         self.notifier.stopping(self.status_line())
         grace = self.config.shutdown.grace
-        log.info("daemon_draining", grace_seconds=grace, **scheduler.counts())
+        # A warning: unfinished items may end (or wait for a restart) because of it.
+        log.warning("daemon_draining", grace_seconds=grace, **scheduler.counts())
         with anyio.move_on_after(grace):
             while not scheduler.idle:
                 await anyio.sleep(0.05)

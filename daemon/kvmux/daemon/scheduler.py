@@ -1146,14 +1146,19 @@ class Scheduler:
                 self.metrics.tpot.observe((time.monotonic() - state.first_token_at) / (n - 1))
         else:
             job.failed += 1
-        self.finished_by_code["ok" if result.error is None else result.error.code] += 1
-        log.info(
+        code = None if result.error is None else result.error.code
+        self.finished_by_code[code or "ok"] += 1
+        # What went wrong in the daemon (not a client's bad item or cancel) is a
+        # warning, so `kvmux logs --level warning` shows every failure.
+        emit = log.warning if code in _FAILURE_CODES else log.info
+        emit(
             "session_finished",
             job_id=job.job_id,
             session_id=state.session_id,
             status=result.status,
             finish_reason=result.finish_reason,
-            error=None if result.error is None else result.error.code,
+            error=code,
+            message=None if result.error is None else result.error.message[:500],
             completion_tokens=len(result.token_ids),
             capacity=capacity,
         )
@@ -1298,6 +1303,9 @@ class Scheduler:
 
 
 _ENCODER = msgspec.msgpack.Encoder()
+_FAILURE_CODES = frozenset(
+    {"kv_capacity_exceeded", "kv_growth_failed", "run_failed", "internal", "shutdown"}
+)
 
 
 def _with_seed(item: Item, check: Admission | Exception) -> Item:
