@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 from pathlib import Path
 
 ENDPOINT_ENV = "KVMUX_ENDPOINT"
@@ -45,3 +47,50 @@ def ipc_path(endpoint: str) -> Path | None:
     if endpoint.startswith("ipc://"):
         return Path(endpoint[len("ipc://") :])
     return None
+
+
+_SCHEMES = ("ipc://", "tcp://", "inproc://", "pgm://", "epgm://", "vmci://", "ws://", "wss://")
+_HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9*][A-Za-z0-9.*-]*):\d{1,5}$")
+
+
+def normalize_endpoint(endpoint: str) -> str:
+    """An endpoint as ZeroMQ takes it: ``/path/to.sock`` (or ``./x.sock``) as
+    ``ipc://``, ``HOST:PORT`` as ``tcp://``; an endpoint with a scheme unchanged.
+
+    Raises ``ValueError`` naming the accepted forms for anything else, instead
+    of the ZMQError ZeroMQ would give.
+    """
+    text = endpoint.strip()
+    if text.startswith(_SCHEMES):
+        return text
+    if "://" in text:
+        raise ValueError(f"endpoint {endpoint!r}: unknown scheme; {ENDPOINT_FORMS}")
+    if text.startswith(("/", "./", "../", "~")):
+        return f"ipc://{Path(text).expanduser()}"
+    if _HOST_PORT.match(text):
+        return f"tcp://{text}"
+    raise ValueError(f"endpoint {endpoint!r} is not one kvmux understands; {ENDPOINT_FORMS}")
+
+
+ENDPOINT_FORMS = (
+    "use ipc:///path/to/kvmuxd.sock, tcp://HOST:PORT, a socket path (/path/to/kvmuxd.sock) "
+    "or HOST:PORT"
+)
+
+
+def stale_socket(path: Path) -> bool:
+    """Whether ``path`` is a unix socket file with nothing listening behind it (a
+    daemon that crashed): connecting is refused at once, where ZeroMQ would
+    retry quietly until its timeout."""
+    if not path.exists():
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # not ours to judge (a permission problem, not a socket): ZeroMQ says
+    finally:
+        probe.close()
+    return False

@@ -20,7 +20,7 @@ import structlog
 
 from kvmux.kv import KvConfigError
 
-from .app import Daemon
+from .app import DAEMON_VERSION, Daemon
 from .config import EX_CONFIG, Config, ConfigError, load_config, with_endpoint
 from .engine import EngineError
 from .journal import JournalError
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "--endpoint",
         help="listen here instead of server.endpoint (ipc://PATH or tcp://HOST:PORT)",
     )
+    ap.add_argument("--version", action="version", version=f"%(prog)s {DAEMON_VERSION}")
     ap.add_argument(
         "--check-config", action="store_true", help="validate the config and exit (0 if valid)"
     )

@@ -22,10 +22,10 @@ from rich.text import Text
 from .. import protocol as p
 from .._client import Chunk, Client, Feeder, Job
 from ..errors import BadRequest, DaemonUnreachable, KvmuxError, NotFound, NotReady, ShuttingDown
-from .batch import LineError, parse_line
-from .connect import INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
+from .batch import BatchReader, LineError
+from .connect import COULD_NOT_RUN, INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
 from .progress import Reporter, failure_label, make_reporter
-from .results import ResultWriter, refused_line, result_line
+from .results import ResultSink, done_ids, open_outputs, resolve_format
 
 T = TypeVar("T")
 
@@ -33,7 +33,9 @@ T = TypeVar("T")
 _GOODBYE_SECONDS = 2.0
 
 
-def read_entries(path: str) -> Iterator[p.Item | LineError]:
+def read_entries(
+    path: str, reader: Callable[[Iterator[bytes]], BatchReader]
+) -> Iterator[p.Item | LineError]:
     """The lines of a batch file (``-`` = stdin) as items or refusals, in file order, read
     lazily: a file of any size is never in memory at once. Each item carries its line."""
     try:
@@ -41,16 +43,7 @@ def read_entries(path: str) -> Iterator[p.Item | LineError]:
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
-        for number, raw in enumerate(stream, start=1):
-            raw = raw.rstrip(b"\r\n")
-            if not raw.strip():
-                continue
-            try:
-                item = parse_line(raw, number)
-            except LineError as exc:
-                yield exc
-                continue
-            yield item if item.line is not None else msgspec.structs.replace(item, line=number)
+        yield from reader(iter(stream))
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
     finally:
@@ -58,9 +51,11 @@ def read_entries(path: str) -> Iterator[p.Item | LineError]:
             stream.close()
 
 
-def _first_item(path: str) -> tuple[list[p.Item | LineError], Iterator[p.Item | LineError]]:
+def _first_item(
+    path: str, reader: Callable[[Iterator[bytes]], BatchReader]
+) -> tuple[list[p.Item | LineError], Iterator[p.Item | LineError]]:
     """Read up to the first item: what came before it (refusals) and it, and the rest."""
-    entries = read_entries(path)
+    entries = read_entries(path, reader)
     head: list[p.Item | LineError] = []
     for entry in entries:
         head.append(entry)
@@ -71,27 +66,43 @@ def _first_item(path: str) -> tuple[list[p.Item | LineError], Iterator[p.Item | 
 
 async def submit(args: argparse.Namespace) -> int:
     """``kvmux submit FILE``: stream a batch into one job, writing results as they finish."""
-    head, rest = _first_item(args.file)
-    if not head:
+    skip = done_ids(args.out) if args.resume and args.out else set()
+    readers: list[BatchReader] = []
+
+    def reader(lines: Iterator[bytes]) -> BatchReader:
+        readers.append(BatchReader(lines, skip))
+        return readers[-1]
+
+    head, rest = _first_item(args.file, reader)
+    skipped = readers[0].skipped if readers else 0
+    if not head and not skipped:
         raise CliError(f"{args.file} holds no items (every line is blank)")
+    # The first line that decodes decided the shape, so the output's is known now.
+    fmt = resolve_format(args.format, readers[0].openai if readers else None)
     with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
+        if not head:
+            reporter.note(f"every line of {args.file} has a result in {args.out}: nothing to run")
+            return OK
+        stdout = None if args.out is not None or args.detach else reporter.stdout_writer()
+        outputs = open_outputs(fmt, args.out, args.errors, stdout, resume=args.resume)
+        stack.callback(outputs.close)
         if not isinstance(head[-1], p.Item):
             # Nothing to run: say why for each line, and submit no job.
-            writer = _open_writer(args.out, reporter, stack, detached=False)
             for err in head:
                 assert isinstance(err, LineError)
-                if writer is not None:
-                    writer.write(refused_line(err))
+                if not args.detach:
+                    outputs.sink.refused(err)
                 reporter.note(failure_label(err.custom_id, err.to_info(), line=err.line))
+            outputs.finish()
             reporter.note(f"no line of {args.file} is a valid item: nothing submitted")
-            return ITEMS_FAILED
-        writer = _open_writer(args.out, reporter, stack, detached=args.detach)
+            return COULD_NOT_RUN
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
+        outputs.sink.model = _model(conn.client)
         name = "stdin" if args.file == "-" else Path(args.file).name
         try:
             # Detached only once every line is in: an interrupted upload is cancelled.
             job = await conn.when_ready(
-                lambda: conn.client.submit([], more=True, name=name, keep_results=False)
+                lambda: conn.client.submit([], more=True, name=name, keep_results=False, format=fmt)
             )
             feed = _Feed(Feeder(itertools.chain(head, rest), conn.client), reporter)
             reporter.start(job.job_id, 0)
@@ -107,7 +118,10 @@ async def submit(args: argparse.Namespace) -> int:
                         f"`kvmux results {job.job_id}`"
                     )
                     return ITEMS_FAILED if feed.refused else OK
-                await conn.follow(job, reporter, _need(writer), feed)
+                await conn.follow(job, reporter, outputs.sink, feed)
+                outputs.finish()
+                if readers[0].skipped:
+                    reporter.note(f"--resume: {readers[0].skipped} line(s) had results already")
             except asyncio.CancelledError:
                 _uncancel()
                 with contextlib.suppress(KvmuxError, TimeoutError):
@@ -148,13 +162,18 @@ class _Feed:
 async def results(args: argparse.Namespace) -> int:
     """``kvmux results JOB_ID``: re-attach to a job and write all of its results."""
     with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
-        writer = _need(_open_writer(args.out, reporter, stack, detached=False))
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
         try:
             job = await conn.when_ready(lambda: conn.client.attach(args.job_id, keep_results=False))
+            fmt = resolve_format(args.format, job.format == "openai")
+            stdout = None if args.out is not None else reporter.stdout_writer()
+            outputs = open_outputs(fmt, args.out, args.errors, stdout)
+            stack.callback(outputs.close)
+            outputs.sink.model = _model(conn.client)
             reporter.start(job.job_id, job.total)
             try:
-                await conn.follow(job, reporter, writer, None)
+                await conn.follow(job, reporter, outputs.sink, None)
+                outputs.finish()
             except asyncio.CancelledError:
                 _uncancel()
                 # Attaching made this client the job's owner; detach so that
@@ -188,7 +207,7 @@ class _Connection:
                 await asyncio.sleep(0.2)
 
     async def follow(
-        self, job: Job, reporter: Reporter, writer: ResultWriter | None, feed: _Feed | None
+        self, job: Job, reporter: Reporter, writer: ResultSink | None, feed: _Feed | None
     ) -> Job:
         """Send ``feed``'s lines into ``job`` (if any) while collecting every result (if
         ``writer``); if kvmuxd goes away (a restart, an upgrade, a crash), wait up to
@@ -244,7 +263,7 @@ def _so_far(job: Job, seen: bytearray) -> str:
 async def _run(
     job: Job,
     reporter: Reporter,
-    writer: ResultWriter | None,
+    writer: ResultSink | None,
     feed: _Feed | None,
     seen: bytearray,
 ) -> None:
@@ -325,7 +344,7 @@ async def cancel(args: argparse.Namespace) -> int:
 async def _collect(
     job: Job,
     reporter: Reporter,
-    writer: ResultWriter,
+    writer: ResultSink,
     feed: _Feed | None,
     seen: bytearray,
 ) -> None:
@@ -347,7 +366,7 @@ async def _collect(
                 return
             line = feed.line_of(index)
         seen[index] = 1
-        writer.write(result_line(result, line))
+        writer.result(result if result.line == line else msgspec.structs.replace(result, line=line))
         label = None
         if result.error is not None:
             label = failure_label(result.custom_id, result.error, line=line, index=result.index)
@@ -375,22 +394,8 @@ async def _collect(
             record(result)
 
 
-def _open_writer(
-    out: str | None, reporter: Reporter, stack: contextlib.ExitStack, *, detached: bool
-) -> ResultWriter | None:
-    if out is None:
-        # A detached submit prints only the job id on stdout, for scripts.
-        return None if detached else reporter.stdout_writer()
-    try:
-        stream = stack.enter_context(Path(out).open("w", encoding="utf-8"))  # noqa: SIM115
-    except OSError as exc:
-        raise CliError(f"cannot write {out}: {exc.strerror or exc}") from None
-    return ResultWriter.to_stream(stream)
-
-
-def _need(writer: ResultWriter | None) -> ResultWriter:
-    assert writer is not None, "only a detached submit has no writer"
-    return writer
+def _model(client: Client) -> str:
+    return client.welcome.model if client.welcome is not None else ""
 
 
 def _finish(reporter: Reporter, out: str | None) -> int:
