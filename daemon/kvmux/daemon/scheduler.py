@@ -293,6 +293,14 @@ class Scheduler:
         the caller sends the same message again later. Items are numbered in
         arrival order."""
         job = self.find(msg.job_id, caller)
+        if job.adding.locked():
+            # One addition at a time per job: a flood would otherwise pile up
+            # messages (each up to max_message_bytes) waiting for their turn.
+            raise Overloaded(
+                f"an addition to job {job.job_id} is still being checked; send the next one "
+                "after its answer",
+                {"job_id": job.job_id, "retry_after": 0.05},
+            )
         async with job.adding:
             if self.draining:
                 raise ShuttingDown("kvmuxd is shutting down and admits no new items")
