@@ -1331,6 +1331,7 @@ def _partial(
     session = state.session
     if session is None or not isinstance(error, Cancelled | ShuttingDown) or not session.generated:
         return None
+    session.stream.finish()  # what the decoder held back (a partial character) too
     text, token_ids = session.stream.text, list(session.generated)
 
     def keep(result: ItemResult) -> ItemResult:
