@@ -217,11 +217,16 @@ class Sampler:
         if not cfg.ignore_eos:
             ends.update(eos_token_ids)
         self._ends = np.array(sorted(ends), dtype=np.int64) if cfg.min_new_tokens else None
+        self._penalized = cfg.penalized
+        # Nothing to track: a draw is exactly what it was before these parameters existed.
+        self._plain = not self._penalized and self._ends is None
 
     def __call__(self, logits: npt.NDArray[np.floating]) -> int:
+        if self._plain:
+            return self._draw(logits)
         token = self._draw(self._shaped(logits))
         self._drawn += 1
-        if self.cfg.penalized:
+        if self._penalized:
             assert self._counts is not None and self._seen is not None
             self._counts[token] += 1
             self._seen[token] = True
@@ -233,7 +238,7 @@ class Sampler:
         if self._ends is not None and self._drawn < self.cfg.min_new_tokens:
             x = x.astype(np.float64)
             x[self._ends[self._ends < x.shape[0]]] = -np.inf
-        if self.cfg.penalized:
+        if self._penalized:
             x = self._penalize(x)
         return x
 
