@@ -140,6 +140,7 @@ class Daemon:
             min_bucket=cfg.kv.min_bucket,
             max_len=cfg.kv.max_len or None,
             cuda_graph=cfg.model.cuda_graph,
+            chat_template=Path(cfg.model.chat_template) if cfg.model.chat_template else None,
         )
         return Engine(folder, options, budget=MemoryBudget(cfg.kv.memory_budget or None))
 
