@@ -114,7 +114,7 @@ def test_detach_then_results_collects_every_result(kvmuxd: Kvmuxd, tmp_path: Pat
         (2, "d2", "ok"),
         (3, "d-too-long", "error"),
     ]
-    assert all(r["line"] is None for r in results)  # the daemon knows items, not lines
+    assert [r["line"] for r in results] == [1, 2, 3, 4]  # kept by the daemon with each item
     assert all(len(r["token_ids"]) > 0 for r in results[:3])
     assert results[3]["error"]["code"] == "kv_capacity_exceeded"
 

@@ -8,6 +8,8 @@ are a small fraction of the file.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import pytest
 from bench.bench_batchfile import submit_file, write_lines
 from bench.bench_daemon import kvmuxd
 from kvmux.client import Client
+
+from .conftest import cli_env, kvmux_argv
 
 pytestmark = pytest.mark.anyio
 
@@ -67,3 +71,44 @@ async def test_a_file_of_20000_lines_is_one_job_with_a_result_for_every_line(
         assert r["status"] == "ok" and r["line"] == i + 1
         assert len(r["token_ids"]) <= 1 + i % 2
     assert all(r["status"] == "ok" for r in results if r["custom_id"].startswith("r"))
+
+
+async def test_a_file_streaming_in_rides_through_a_daemon_killed_midway(tiny_model: Path) -> None:
+    lines = 3000
+    with tempfile.TemporaryDirectory(prefix="kvr-") as tmp:
+        work = Path(tmp)
+        endpoint = f"ipc://{work}/kvmuxd.sock"
+        # Few sessions and a small queue: the file goes in slowly, so the kill lands mid-file.
+        limits = {"max_active_sessions": 4, "max_job_items": 100, "max_queued_items": 200}
+        tables: dict[str, dict[str, object]] = {
+            **TABLES,
+            "scheduler": {**TABLES["scheduler"], **limits},
+            "jobs": {"journal": str(work / "jobs.sqlite3")},
+        }
+        batch = write_lines(work / "big.jsonl", lines)
+        out = work / "out.jsonl"
+        with anyio.fail_after(240):
+            async with kvmuxd(tiny_model, threads=1, tables=tables, endpoint=endpoint) as d:
+                cli = subprocess.Popen(
+                    kvmux_argv("submit", str(batch), "--out", str(out), "--wait-daemon", "60"),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=cli_env(endpoint),
+                )
+                async with Client(endpoint) as client:
+                    while not (jobs := await client.jobs()) or jobs[0].total < lines // 3:
+                        await anyio.sleep(0.02)
+                at_kill = jobs[0].total
+                d.proc.send_signal(signal.SIGKILL)  # mid-file: the rest is not sent yet
+                d.proc.wait()
+            async with kvmuxd(tiny_model, threads=1, tables=tables, endpoint=endpoint) as d:
+                _, err = await anyio.to_thread.run_sync(lambda: cli.communicate(timeout=200))
+                async with Client(endpoint) as client:
+                    jobs = await client.jobs()
+        results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert cli.returncode == 0, err[-3000:]
+    assert at_kill < lines and "re-attached" in err
+    assert [(j.total, j.ok, j.state) for j in jobs] == [(lines, lines, "done")]
+    ids = sorted(r["custom_id"] for r in results)
+    assert ids == sorted(f"r{i}" for i in range(lines))  # each line once: none lost, none twice

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -247,3 +248,26 @@ async def test_a_cancelled_item_keeps_the_text_it_had_produced(
     alone = Item(prompt="go on", max_new_tokens=n, ignore_eos=True)
     assert result.token_ids == decode_alone(reference, alone)
     assert result.text == reference.tokenizer.decode(result.token_ids)
+
+
+async def test_an_open_job_is_cancelled_when_its_client_leaves_unless_detached(
+    tiny_model: Path, sock_dir: Path
+) -> None:
+    async with running(make_config(tiny_model, sock_dir)) as daemon:
+        async with connected(daemon) as client:
+            left = await client.submit([_item(0, n=1500)], more=True)
+            kept = await client.submit([_item(1)], more=True, detach=True)
+            # Two additions at once: the second is refused whole, the first goes in.
+            first, second = await asyncio.gather(
+                left.add([_item(2, n=1500)]), left.add([_item(3)]), return_exceptions=True
+            )
+        async with connected(daemon) as later:
+            with anyio.fail_after(20):
+                while [j.state for j in await later.jobs() if j.job_id == left.job_id] != ["done"]:
+                    await anyio.sleep(0.05)
+            results = await (await later.attach(left.job_id)).results()
+            still = next(j for j in await later.jobs() if j.job_id == kept.job_id)
+            assert await (await later.attach(kept.job_id)).add([_item(4)], last=True) == 2
+    assert first == 2 and isinstance(second, Overloaded)
+    assert [r.error.code if r.error else None for r in results] == ["cancelled", "cancelled"]
+    assert still.state == "running"

@@ -89,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvmuxd: invalid config: {exc}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
+        from .app import startup_problems  # what the daemon would refuse at start
+
+        problems = startup_problems(config)
+        for problem in problems:
+            print(f"kvmuxd: invalid config: {problem}", file=sys.stderr)
+        if problems:
+            return EX_CONFIG
         print(f"kvmuxd: config {args.config or '(defaults)'} is valid")
         return 0
     try:

@@ -70,6 +70,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     name: str = "tiny"
     path: str = ""
+    # A Jinja chat template file for chat requests, overriding the model's own
+    # (chat_template.jinja or tokenizer_config.json); read like ``path``.
+    chat_template: str = ""
     cache_dir: str = ""
     provider: Literal["cpu", "cuda"] = "cpu"
     device_id: NonNegInt = 0

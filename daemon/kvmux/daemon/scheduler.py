@@ -35,7 +35,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -65,6 +65,8 @@ from kvmux.client.protocol import (
     SessionInfo,
     Submit,
     TokenDelta,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from kvmux.kv import (
@@ -77,7 +79,14 @@ from kvmux.kv import (
 from .access import OPERATOR, Caller
 from .config import JobsConfig, SchedulerConfig, owner_queue_share
 from .coordinator import GrowthCoordinator
-from .engine import Admission, DecodeSession, Engine, SamplingParams, StepOutput
+from .engine import (
+    Admission,
+    DecodeSession,
+    Engine,
+    SamplingParams,
+    StepOutput,
+    TokenLogprobs,
+)
 from .errors import error_info
 from .journal import Journal, JournaledJob, JournalFull
 from .metrics import Metrics
@@ -103,6 +112,11 @@ class ItemState:
     index: int
     custom_id: str
     admission: Admission | None = None
+    # Echoed into its result untouched (see Item): input line, choice, chat or not.
+    line: int | None = None
+    choice: int = 0
+    choices: int = 1
+    chat: bool = False
     session: DecodeSession | None = None
     phase: Phase = "queued"
     result: ItemResult | None = None
@@ -123,6 +137,19 @@ class ItemState:
     @property
     def session_id(self) -> str:
         return f"{self.job.job_id}/{self.index}"
+
+    def make_result(self, status: Literal["ok", "error"], **fields: Any) -> ItemResult:
+        """Its result, carrying what the item asked to have echoed."""
+        return ItemResult(
+            index=self.index,
+            custom_id=self.custom_id,
+            status=status,
+            line=self.line,
+            choice=self.choice,
+            choices=self.choices,
+            chat=self.chat,
+            **fields,
+        )
 
 
 @dataclass(eq=False)
@@ -293,6 +320,14 @@ class Scheduler:
         the caller sends the same message again later. Items are numbered in
         arrival order."""
         job = self.find(msg.job_id, caller)
+        if job.adding.locked():
+            # One addition at a time per job: a flood would otherwise pile up
+            # messages (each up to max_message_bytes) waiting for their turn.
+            raise Overloaded(
+                f"an addition to job {job.job_id} is still being checked; send the next one "
+                "after its answer",
+                {"job_id": job.job_id, "retry_after": 0.05},
+            )
         async with job.adding:
             if self.draining:
                 raise ShuttingDown("kvmuxd is shutting down and admits no new items")
@@ -463,7 +498,9 @@ class Scheduler:
             if state.failure is not None:
                 self._finish(state, error=state.failure)
         for index, result in rejected.items():
-            state = ItemState(job, index, result.custom_id, phase="done", result=result)
+            state = ItemState(
+                job, index, result.custom_id, line=result.line, phase="done", result=result
+            )
             job.items.append(state)
             job.failed += 1
             if self.journal is not None:
@@ -485,7 +522,15 @@ class Scheduler:
         self._jobs[job.job_id] = job
         queue: deque[ItemState] = deque()
         for index, (item, outcome) in enumerate(items, len(job.items)):
-            state = ItemState(job, index, item.custom_id)
+            state = ItemState(
+                job,
+                index,
+                item.custom_id,
+                line=item.line,
+                choice=item.choice,
+                choices=item.choices,
+                chat=item.messages is not None,
+            )
             job.items.append(state)
             if isinstance(outcome, Admission):
                 state.admission = outcome
@@ -560,7 +605,8 @@ class Scheduler:
 
     def _admit(self, item: Item) -> Admission | Exception:
         try:
-            if item.messages is not None or (item.prompt is None) == (item.prompt_tokens is None):
+            given = [x for x in (item.prompt, item.prompt_tokens, item.messages) if x is not None]
+            if len(given) != 1:
                 raise BadRequest(
                     "exactly one of `prompt`, `prompt_tokens` and `messages` must be given"
                 )
@@ -579,8 +625,23 @@ class Scheduler:
                 seed=item.seed,
                 stop=tuple(item.stop),
                 ignore_eos=item.ignore_eos,
+                min_new_tokens=item.min_new_tokens,
+                min_p=item.min_p,
+                repetition_penalty=item.repetition_penalty,
+                presence_penalty=item.presence_penalty,
+                frequency_penalty=item.frequency_penalty,
+                stop_token_ids=tuple(item.stop_token_ids),
+                logprobs=item.logprobs,
+                skip_special_tokens=item.skip_special_tokens,
             )
-            prompt = item.prompt if item.prompt is not None else list(item.prompt_tokens or [])
+            prompt: str | list[int]
+            if item.messages is not None:
+                # Rendered here, on the tokenizer's side thread: the event loop never runs Jinja.
+                prompt = self.engine.render_chat([msgspec.structs.asdict(m) for m in item.messages])
+            elif item.prompt is not None:
+                prompt = item.prompt
+            else:
+                prompt = list(item.prompt_tokens or [])
             if isinstance(prompt, str):
                 self._check_prompt_bytes(prompt, item.max_context)
             admission = self.engine.admit(prompt, params, max_context=item.max_context)
@@ -1090,10 +1151,8 @@ class Scheduler:
             done = state.session.completion()
             self._finish(
                 state,
-                result=ItemResult(
-                    index=state.index,
-                    custom_id=state.custom_id,
-                    status="ok",
+                result=state.make_result(
+                    "ok",
                     text=done.text,
                     token_ids=done.token_ids,
                     finish_reason=done.finish_reason,
@@ -1103,6 +1162,7 @@ class Scheduler:
                         done.prompt_tokens + done.completion_tokens,
                     ),
                     seed=done.seed,
+                    logprobs=_wire_logprobs(done.logprobs),
                 ),
             )
 
@@ -1126,9 +1186,7 @@ class Scheduler:
         if result is None:
             assert error is not None
             info: ErrorInfo = error_info(error, job_id=job.job_id, session_id=state.session_id)
-            result = ItemResult(
-                index=state.index, custom_id=state.custom_id, status="error", error=info
-            )
+            result = state.make_result("error", error=info)
         state.result = result
         state.phase = "done"
         state.admission = None
@@ -1146,14 +1204,19 @@ class Scheduler:
                 self.metrics.tpot.observe((time.monotonic() - state.first_token_at) / (n - 1))
         else:
             job.failed += 1
-        self.finished_by_code["ok" if result.error is None else result.error.code] += 1
-        log.info(
+        code = None if result.error is None else result.error.code
+        self.finished_by_code[code or "ok"] += 1
+        # What went wrong in the daemon (not a client's bad item or cancel) is a
+        # warning, so `kvmux logs --level warning` shows every failure.
+        emit = log.warning if code in _FAILURE_CODES else log.info
+        emit(
             "session_finished",
             job_id=job.job_id,
             session_id=state.session_id,
             status=result.status,
             finish_reason=result.finish_reason,
-            error=None if result.error is None else result.error.code,
+            error=code,
+            message=None if result.error is None else result.error.message[:500],
             completion_tokens=len(result.token_ids),
             capacity=capacity,
         )
@@ -1298,6 +1361,9 @@ class Scheduler:
 
 
 _ENCODER = msgspec.msgpack.Encoder()
+_FAILURE_CODES = frozenset(
+    {"kv_capacity_exceeded", "kv_growth_failed", "run_failed", "internal", "shutdown"}
+)
 
 
 def _with_seed(item: Item, check: Admission | Exception) -> Item:
@@ -1315,6 +1381,7 @@ def _partial(
     session = state.session
     if session is None or not isinstance(error, Cancelled | ShuttingDown) or not session.generated:
         return None
+    session.stream.finish()  # what the decoder held back (a partial character) too
     text, token_ids = session.stream.text, list(session.generated)
 
     def keep(result: ItemResult) -> ItemResult:
@@ -1324,6 +1391,15 @@ def _partial(
         return msgspec.structs.replace(result, text=text, token_ids=token_ids, error=error)
 
     return keep
+
+
+def _wire_logprobs(logprobs: list[TokenLogprobs] | None) -> list[TokenLogprob] | None:
+    if logprobs is None:
+        return None
+    return [
+        TokenLogprob(e.token_id, e.token, e.logprob, [TopLogprob(*t) for t in e.top])
+        for e in logprobs
+    ]
 
 
 def _stuck(state: ItemState) -> Exception:

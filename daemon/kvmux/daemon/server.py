@@ -635,12 +635,14 @@ class Server:
 
     def _subscribe_logs(self, ident: bytes, caller: Caller, level: str, job_id: str | None) -> None:
         visible: Callable[[dict[str, Any]], bool] | None = None
+        sched = self.scheduler
+        if job_id is not None:
+            if sched is None:
+                raise NotReady("kvmuxd is still loading its model; it has no jobs yet")
+            # not_found for an unknown job (or another owner's): following it would
+            # wait forever for events that never come.
+            sched.find(job_id, caller)
         if not caller.operator:
-            sched = self.scheduler
-            if job_id is not None:
-                if sched is None:
-                    raise NotReady("kvmuxd is still loading its model; it has no jobs yet")
-                sched.find(job_id, caller)  # not_found unless the caller owns it
             # Only events of the caller's own jobs: the rest of the log names
             # other people's jobs, clients and prompts' sizes.
             owner = caller.owner

@@ -230,6 +230,8 @@ class _Connection:
                     f"kvmuxd went away ({why}); waiting up to {wait:g} s for it to come back, "
                     f"then re-attaching to job {job.job_id}"
                 )
+                if isinstance(exc, ShuttingDown):
+                    await asyncio.sleep(0.5)  # it is still up while it drains: do not spin
             with contextlib.suppress(KvmuxError, TimeoutError):
                 await self.client.close()
             try:
