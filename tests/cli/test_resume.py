@@ -158,6 +158,7 @@ def test_a_refused_job_leaves_out_intact(daemon: Daemon, tmp_path: Path) -> None
     out.write_text(OLD)
     done = daemon.run("submit", str(src), "--out", str(out), "-q", "--wait-daemon", "0")
     assert done.returncode == 1, done.stderr
+    assert "max_job_total" in done.stderr, done.stderr
     assert out.read_text() == OLD
     partial = tmp_path / "out.jsonl.partial"
     for r in rows(partial) if partial.exists() else []:
