@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
+import time
 from pathlib import Path
 
 ENDPOINT_ENV = "KVMUX_ENDPOINT"
@@ -82,15 +84,31 @@ def stale_socket(path: Path) -> bool:
     """Whether ``path`` is a unix socket file with nothing listening behind it (a
     daemon that crashed): connecting is refused at once, where ZeroMQ would
     retry quietly until its timeout."""
-    if not path.exists():
-        return False
+    return _probe(path) == "refused"
+
+
+def _probe(path: Path) -> str:
+    """``listening``, ``refused`` (a stale socket file), ``missing``, or ``unknown``."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
     except ConnectionRefusedError:
-        return True
+        return "refused"
+    except FileNotFoundError:
+        return "missing"
     except OSError:
-        return False  # not ours to judge (a permission problem, not a socket): ZeroMQ says
+        return "unknown"  # not ours to judge (a permission problem, not a socket): ZeroMQ says
     finally:
         probe.close()
+    return "listening"
+
+
+async def socket_revives(path: Path, within: float) -> bool:
+    """Whether a stale ``path`` gets a listener within ``within`` seconds: a daemon
+    being restarted unlinks and binds it again within a second or two."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        if _probe(path) in ("listening", "unknown"):
+            return True
     return False

@@ -6,7 +6,13 @@ import asyncio
 import time
 
 from .._client import Client
-from ..endpoint import client_default_endpoint, ipc_path, normalize_endpoint, stale_socket
+from ..endpoint import (
+    client_default_endpoint,
+    ipc_path,
+    normalize_endpoint,
+    socket_revives,
+    stale_socket,
+)
 from ..errors import DaemonUnreachable
 
 OK = 0
@@ -20,6 +26,9 @@ INTERRUPTED = 130
 
 CLIENT_NAME = "kvmux-cli"
 _RETRY_SECONDS = 0.2
+# How long a socket file nobody accepts on may stay so before it is taken as left by
+# a crash: a daemon being restarted binds it again well within this.
+STALE_GRACE = 3.0
 
 
 class CliError(Exception):
@@ -44,10 +53,14 @@ async def open_client(endpoint: str | None, timeout: float, *, wait: float = 0.0
         attempt = timeout if wait <= 0 else max(min(timeout, round(remaining, 1)), 0.1)
         client = Client(endpoint, timeout=attempt, name=CLIENT_NAME)
         try:
-            if path is not None and stale_socket(path):
+            if (
+                path is not None
+                and stale_socket(path)
+                and not await socket_revives(path, min(attempt, STALE_GRACE))
+            ):
                 raise client._unreachable(
-                    f"{path} is left from a kvmuxd that is no longer running (nothing accepts "
-                    "connections on it)"
+                    f"{path} is left from a kvmuxd that is no longer running (nothing has "
+                    f"accepted connections on it for {min(attempt, STALE_GRACE):g} s)"
                 )
             await client.connect()
         except DaemonUnreachable as exc:
