@@ -2,7 +2,8 @@
 
 20,000 lines (the 50,000-line run, with memory figures, is ``bench/bench_batchfile.py``)
 through a real ``kvmuxd`` process whose ``max_job_items`` and ``max_message_bytes``
-are a small fraction of the file.
+are a small fraction of the file; the same streaming through a daemon killed midway;
+and a detached job that keeps the lines that did not parse.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import anyio
 import pytest
 
 from bench.bench_batchfile import submit_file, write_lines
-from bench.bench_daemon import kvmuxd
+from bench.bench_daemon import kvmuxd as kvmuxd_process
 from kvmux.client import Client
 
-from .conftest import cli_env, kvmux_argv
+from .conftest import Kvmuxd, cli_env, kvmux_argv
 
 pytestmark = pytest.mark.anyio
 
@@ -52,7 +53,7 @@ async def test_a_file_of_20000_lines_is_one_job_with_a_result_for_every_line(
         with batch.open("a") as f:
             f.write("{not json\n")  # line LINES + 1: refused, and still has its result
         out = work / "out.jsonl"
-        async with kvmuxd(tiny_model, threads=1, tables=TABLES) as d:
+        async with kvmuxd_process(tiny_model, threads=1, tables=TABLES) as d:
             with anyio.fail_after(240):
                 done = await anyio.to_thread.run_sync(lambda: submit_file(d.endpoint, batch, out))
             async with Client(d.endpoint) as client:
@@ -88,7 +89,7 @@ async def test_a_file_streaming_in_rides_through_a_daemon_killed_midway(tiny_mod
         batch = write_lines(work / "big.jsonl", lines)
         out = work / "out.jsonl"
         with anyio.fail_after(240):
-            async with kvmuxd(tiny_model, threads=1, tables=tables, endpoint=endpoint) as d:
+            async with kvmuxd_process(tiny_model, threads=1, tables=tables, endpoint=endpoint) as d:
                 cli = subprocess.Popen(
                     kvmux_argv("submit", str(batch), "--out", str(out), "--wait-daemon", "60"),
                     stdout=subprocess.DEVNULL,
@@ -102,7 +103,7 @@ async def test_a_file_streaming_in_rides_through_a_daemon_killed_midway(tiny_mod
                 at_kill = jobs[0].total
                 d.proc.send_signal(signal.SIGKILL)  # mid-file: the rest is not sent yet
                 d.proc.wait()
-            async with kvmuxd(tiny_model, threads=1, tables=tables, endpoint=endpoint) as d:
+            async with kvmuxd_process(tiny_model, threads=1, tables=tables, endpoint=endpoint) as d:
                 _, err = await anyio.to_thread.run_sync(lambda: cli.communicate(timeout=200))
                 async with Client(endpoint) as client:
                     jobs = await client.jobs()
@@ -112,3 +113,20 @@ async def test_a_file_streaming_in_rides_through_a_daemon_killed_midway(tiny_mod
     assert [(j.total, j.ok, j.state) for j in jobs] == [(lines, lines, "done")]
     ids = sorted(r["custom_id"] for r in results)
     assert ids == sorted(f"r{i}" for i in range(lines))  # each line once: none lost, none twice
+
+
+def test_a_detached_job_keeps_the_lines_that_did_not_parse(kvmuxd: Kvmuxd, tmp_path: Path) -> None:
+    batch = tmp_path / "nine.jsonl"
+    good = '{"custom_id": "%s", "prompt": "hi", "max_tokens": 2}'
+    bad = ["{oops", "[1]", '"text"', '{"prompt": 5}', "{}", '{"prompt": "x", "top_p": 9}', "nul"]
+    batch.write_text("\n".join([good % "first", *bad, good % "last"]) + "\n")
+    submitted = kvmuxd.run("submit", "--detach", str(batch))
+    job_id = submitted.stdout.strip()
+    out = tmp_path / "out.jsonl"
+    collected = kvmuxd.run("results", job_id, "--out", str(out), "--format", "kvmux")
+    results = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["line"])
+    assert submitted.returncode == 2 and job_id, submitted.stderr
+    assert collected.returncode == 2 and "9/9 items, 7 failed" in collected.stderr
+    assert [r["line"] for r in results] == list(range(1, 10))
+    assert [r["status"] for r in results] == ["ok", *["error"] * 7, "ok"]
+    assert all(r["error"]["code"] == "bad_request" for r in results[1:8])

@@ -106,6 +106,11 @@ async def test_sigkilled_ten_times_every_item_ends_once_with_the_tokens_of_an_un
                         "submit", str(batch_file), "--out", str(out_file),
                         "--wait-daemon", "60", endpoint=endpoint,
                     )  # fmt: skip
+                    # Killed only once the CLI's job is in: a daemon gone before the CLI
+                    # first connects is "not running" at once, not a restart to wait for.
+                    async with Client(endpoint, timeout=30.0) as client:
+                        while len(await client.jobs()) < 2:
+                            await anyio.sleep(0.02)
                 if kills == 10:
                     async with Client(endpoint, timeout=30.0) as client:
                         results = await (await client.attach(job_id)).results()
