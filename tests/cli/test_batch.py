@@ -21,6 +21,13 @@ def openai(body: Any, **fields: Any) -> bytes:
     )
 
 
+def one(raw: bytes, number: int) -> Item:
+    """The single item of a line that asks for one completion."""
+    items = parse_line(raw, number)
+    assert len(items) == 1
+    return items[0]
+
+
 def refused(raw: bytes, number: int = 7) -> LineError:
     with pytest.raises(LineError) as exc:
         parse_line(raw, number)
@@ -30,7 +37,7 @@ def refused(raw: bytes, number: int = 7) -> LineError:
 
 
 def test_native_line_maps_every_field() -> None:
-    item = parse_line(
+    item = one(
         line(
             {
                 "custom_id": "a",
@@ -58,19 +65,20 @@ def test_native_line_maps_every_field() -> None:
         stop=["\n"],
         max_context=64,
         ignore_eos=True,
+        line=1,
     )
 
 
 def test_token_prompts_and_defaults() -> None:
-    assert parse_line(line({"prompt": [1, 2, 3]}), 4) == Item(
-        custom_id="line-4", prompt_tokens=[1, 2, 3]
+    assert one(line({"prompt": [1, 2, 3]}), 4) == Item(
+        custom_id="line-4", prompt_tokens=[1, 2, 3], line=4
     )
-    assert parse_line(line({"prompt_tokens": [5], "seed": None}), 2).prompt_tokens == [5]
-    assert parse_line(line({"prompt": "x", "max_new_tokens": 3}), 1).max_new_tokens == 3
+    assert one(line({"prompt_tokens": [5], "seed": None}), 2).prompt_tokens == [5]
+    assert one(line({"prompt": "x", "max_new_tokens": 3}), 1).max_new_tokens == 3
 
 
 def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
-    item = parse_line(
+    item = one(
         openai(
             {
                 "model": "whatever",
@@ -85,10 +93,10 @@ def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
         3,
     )
     assert item == Item(
-        custom_id="o", prompt="hello", max_new_tokens=16, temperature=0.0, stop=["a", "b"]
+        custom_id="o", prompt="hello", max_new_tokens=16, temperature=0.0, stop=["a", "b"], line=3
     )
-    assert parse_line(openai({"prompt": [[7, 8]], "max_tokens": 2}), 1).prompt_tokens == [7, 8]
-    assert parse_line(openai({"prompt": ["only one"]}), 1).prompt == "only one"
+    assert one(openai({"prompt": [[7, 8]], "max_tokens": 2}), 1).prompt_tokens == [7, 8]
+    assert one(openai({"prompt": ["only one"]}), 1).prompt == "only one"
 
 
 @pytest.mark.parametrize(
@@ -102,15 +110,27 @@ def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
         (line({"prompt": "x", "stop": ["ok", ""]}), "`stop[1]`"),
         (line({"max_tokens": 3}), "exactly one of `prompt`, `prompt_tokens` and `messages`"),
         (line({"prompt": "x", "max_tokens": 1, "max_new_tokens": 1}), "not both"),
-        (line({"prompt": [1, "a"]}), "holds 2 prompts"),
-        (openai({"prompt": "x"}, url="/v1/chat/completions"), "no chat template"),
+        (
+            line({"prompt": [1, "a"]}),
+            "`prompt[0]` must be text or a list of token ids, got a number",
+        ),
+        (line({"prompt": []}), "`prompt` is empty"),
+        (line({"prompt": "x", "n": 0}), "`n` must be a whole number"),
+        (line({"prompt": ["a"] * 1000, "n": 100}), "at most 65536"),
+        (line({"prompt": "x", "min_tokens": 1, "min_new_tokens": 1}), "not both"),
+        (line({"prompt": "x", "max_tokens": 2.5}), "`max_tokens`"),
+        (openai({"prompt": "x"}, url="/v1/chat/completions"), "takes `messages`, not `prompt`"),
+        (openai({"messages": []}), "takes `prompt`, not `messages`"),
+        (openai({"input": "x"}, url="/v1/embeddings"), "computes no embeddings"),
         (openai({"prompt": "x"}, method="GET"), "method 'GET'"),
         (openai([1]), "`body` must be a JSON object"),
-        (openai({"prompt": "x", "n": 2}), "`body.n` = 2 is not supported"),
-        (openai({"prompt": "x", "logprobs": 1}), "`body.logprobs`"),
+        (openai({"prompt": "x", "echo": True}), "`body.echo` = true is not supported"),
+        (openai({"prompt": "x", "suffix": "z"}), "`body.suffix`"),
+        (openai({"prompt": "x", "n": 2, "best_of": 3}), "`body.best_of` = 3"),
+        (openai({"prompt": "x", "logit_bias": {"5": 1}}), "no per-token bias"),
+        (openai({"prompt": "x", "logprobs": True}), "`body.logprobs`"),
         (openai({"prompt": "x", "max_tokens": -1}), "`body.max_tokens`"),
         (openai({"prompt": "x", "frobnicate": 1}), "unknown field `body.frobnicate`"),
-        (openai({"prompt": ["a", "b"]}), "`body.prompt` holds 2 prompts"),
     ],
 )
 def test_a_bad_line_is_refused_with_its_reason(raw: bytes, reason: str) -> None:

@@ -74,7 +74,8 @@ def test_mixed_batch_gives_one_result_per_line_and_exit_2(kvmuxd: Kvmuxd, tmp_pa
     }
     # Lines that reached the daemon are its items 0..6, in line order.
     assert [by_line[n]["index"] for n in (1, 3, 5, 7, 8, 9, 10)] == list(range(7))
-    assert by_line[4]["index"] is None and "not valid JSON" in by_line[4]["error"]["message"]
+    # A refused line is the job's too (kept for `kvmux results`), after its message's items.
+    assert by_line[4]["index"] > 6 and "not valid JSON" in by_line[4]["error"]["message"]
     assert by_line[4]["error"]["details"]["line"] == 4
     assert "/v1/chat/completions" in by_line[6]["error"]["message"]
     too_long = by_line[7]["error"]["details"]
@@ -113,7 +114,7 @@ def test_detach_then_results_collects_every_result(kvmuxd: Kvmuxd, tmp_path: Pat
         (2, "d2", "ok"),
         (3, "d-too-long", "error"),
     ]
-    assert all(r["line"] is None for r in results)  # the daemon knows items, not lines
+    assert [r["line"] for r in results] == [1, 2, 3, 4]  # kept by the daemon with each item
     assert all(len(r["token_ids"]) > 0 for r in results[:3])
     assert results[3]["error"]["code"] == "kv_capacity_exceeded"
 

@@ -258,3 +258,22 @@ def test_parse_config_names_its_source() -> None:
 
 def test_ex_config_is_sysexits_value() -> None:
     assert EX_CONFIG == 78
+
+
+def test_check_config_catches_what_the_daemon_would_refuse_at_start(
+    tmp_path: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvmux.daemon.__main__ import main
+
+    missing = tmp_path / "missing.toml"
+    missing.write_text(f'[model]\npath = "{tmp_path / "no-such-model"}"\n')
+    not_a_model = tmp_path / "empty.toml"
+    not_a_model.write_text(f'[model]\npath = "{tmp_path}"\n')
+    good = tmp_path / "good.toml"
+    good.write_text(f'[model]\npath = "{tiny_model}"\n')
+    assert main(["--config", str(missing), "--check-config"]) == EX_CONFIG
+    assert "model.path: " in (err := capsys.readouterr().err) and "does not exist" in err
+    assert main(["--config", str(not_a_model), "--check-config"]) == EX_CONFIG
+    assert "holds no genai_config.json" in capsys.readouterr().err
+    assert main(["--config", str(good), "--check-config"]) == 0
+    assert "is valid" in capsys.readouterr().out

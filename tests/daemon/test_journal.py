@@ -6,6 +6,7 @@ import json
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,11 @@ async def test_sigkilled_ten_times_every_item_ends_once_with_the_tokens_of_an_un
                         "submit", str(batch_file), "--out", str(out_file),
                         "--wait-daemon", "60", endpoint=endpoint,
                     )  # fmt: skip
+                    # Killed only once the CLI's job is in: a daemon gone before the CLI
+                    # first connects is "not running" at once, not a restart to wait for.
+                    async with Client(endpoint, timeout=30.0) as client:
+                        while len(await client.jobs()) < 2:
+                            await anyio.sleep(0.02)
                 if kills == 10:
                     async with Client(endpoint, timeout=30.0) as client:
                         results = await (await client.attach(job_id)).results()
@@ -276,3 +282,43 @@ async def test_the_python_client_waits_out_a_restart_and_gets_every_result(
     assert [r.index for r in got] == list(range(60))
     for item, r in zip(items, got, strict=True):
         assert r.token_ids == decode_alone(reference, msgspec.structs.replace(item, seed=r.seed))
+
+
+def test_a_version_1_journal_is_upgraded_in_place_and_keeps_its_jobs(state: Path) -> None:
+    from kvmux.daemon.journal import SCHEMA_VERSION, Journal
+
+    path = state / "old.sqlite3"
+    item = Item(custom_id="a", prompt="hi", max_new_tokens=3)
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE jobs (job_id TEXT PRIMARY KEY, owner TEXT NOT NULL, name TEXT NOT NULL,
+            detached INTEGER NOT NULL, created REAL NOT NULL, finished REAL,
+            total INTEGER NOT NULL);
+        CREATE TABLE items (job_id TEXT NOT NULL REFERENCES jobs(job_id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL, item BLOB NOT NULL, result BLOB,
+            PRIMARY KEY (job_id, idx)) WITHOUT ROWID;
+        PRAGMA user_version = 1;
+        """
+    )
+    db.execute("INSERT INTO jobs VALUES ('j1', 'uid:1', 'old', 1, 1.0, NULL, 1)")
+    db.execute("INSERT INTO items VALUES ('j1', 0, ?, NULL)", (msgspec.msgpack.encode(item),))
+    db.commit()
+    db.close()
+    journal = Journal(path)
+    try:
+        [job] = journal.load()
+        assert (job.job_id, job.format, job.open, job.items) == ("j1", "kvmux", False, [item])
+        # The new columns are written from now on: an open job and its additions.
+        journal.add_job("j2", "uid:1", "new", False, [item], format="openai", open=True).result(10)
+        journal.add_items("j2", 1, [item], close=False).result(10)
+        reloaded = {j.job_id: j for j in journal.load()}
+    finally:
+        journal.close()
+    assert (reloaded["j2"].format, reloaded["j2"].open, len(reloaded["j2"].items)) == (
+        "openai",
+        True,
+        2,
+    )
+    version = sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0]
+    assert version == SCHEMA_VERSION == 2

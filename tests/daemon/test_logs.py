@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -320,3 +322,67 @@ def test_subscription_made_off_the_loop_binds_on_first_wait() -> None:
         return [e["event"] for e in sub.drain()]
 
     assert anyio.run(main, backend="asyncio") == ["early"]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "KVMUX_ENDPOINT"}
+
+
+async def _kvmux(endpoint: str, *args: str) -> tuple[int, str]:
+    """``kvmux ARGS`` as a process against ``endpoint``: exit status and stderr."""
+    done = await anyio.run_process(
+        [sys.executable, "-m", "kvmux.client.cli", *args, "--endpoint", endpoint],
+        env=_env(),
+        check=False,
+    )
+    return done.returncode, done.stderr.decode()
+
+
+@pytest.mark.anyio
+async def test_failures_are_warnings_and_logs_of_a_job_end_with_it(
+    tiny_model: Path, sock_dir: Path
+) -> None:
+    from kvmux.client import Item
+
+    from .conftest import connected, make_config, running
+
+    configure_logging(level="debug", stream=io.StringIO())
+    async with running(make_config(tiny_model, sock_dir)) as daemon, connected(daemon) as client:
+        stream = await client.subscribe_logs(level="warning")
+        too_long = Item(custom_id="big", prompt="x" * 60, max_context=8)
+        job = await client.submit([too_long, Item(custom_id="fine", prompt="hi", max_new_tokens=2)])
+        [failed, ok] = await job.results()
+        with anyio.fail_after(10):
+            async for record in stream:
+                if record["event"] == "session_finished":
+                    break
+        await stream.aclose()
+        # Unknown: not_found at once. Finished: said so, and the command ends.
+        unknown = await _kvmux(daemon.endpoint, "logs", "-f", "--job", "0123456789ab")
+        finished = await _kvmux(daemon.endpoint, "logs", "-f", "--job", job.job_id)
+        # Running, followed at a level that hides its end event: ends with it all the same.
+        slow = await client.submit(
+            [Item(prompt="go", max_new_tokens=400, ignore_eos=True)] * 12, detach=True
+        )
+        with anyio.fail_after(60):
+            async with await anyio.open_process(
+                [
+                    *(sys.executable, "-m", "kvmux.client.cli", "logs", "-f", "--level"),
+                    *("error", "--job", slow.job_id, "--endpoint", daemon.endpoint),
+                ],
+                env=_env(),
+            ) as proc:
+                assert proc.stderr is not None
+                header = await proc.stderr.receive()  # printed once it is subscribed
+                running_then = [j.state for j in await client.jobs() if j.job_id == slow.job_id]
+                rest = b"".join([chunk async for chunk in proc.stderr])
+                running_job = (await proc.wait(), (header + rest).decode())
+        assert all(r.status == "ok" for r in await slow.results())
+    assert failed.error is not None and failed.error.code == "kv_capacity_exceeded"
+    assert ok.status == "ok"
+    assert record["level"] == "warning" and record["error"] == "kv_capacity_exceeded"
+    assert record["job_id"] == job.job_id
+    assert unknown[0] == 1 and "no job '0123456789ab'" in unknown[1]
+    assert finished[0] == 0 and f"job {job.job_id} has finished (1 ok, 1 failed)" in finished[1]
+    assert b"showing" in header and running_then == ["running"]
+    assert running_job[0] == 0 and f"job {slow.job_id} has finished" in running_job[1]

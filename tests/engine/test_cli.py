@@ -25,7 +25,7 @@ def test_builds_the_model_on_first_use_and_decodes(tmp_path: Path) -> None:
     assert "[length] prompt 2 + 40 tokens" in proc.stderr
     assert "KV buckets 4 -> 8 -> 16 -> 32 -> 64" in proc.stderr
     assert "KV in use after release 0 B" in proc.stderr
-    assert (tmp_path / "models" / "kvmux-tiny-float32-v1" / "genai_config.json").exists()
+    assert (tmp_path / "models" / "kvmux-tiny-float32-v2" / "genai_config.json").exists()
 
 
 def test_a_prompt_over_its_cap_is_a_clear_error(tmp_path: Path) -> None:

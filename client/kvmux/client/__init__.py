@@ -3,6 +3,8 @@
 Installs without onnxruntime: nothing here imports the daemon or the engine.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from ._client import Client, Job
 from .endpoint import ENDPOINT_ENV, client_default_endpoint, daemon_default_endpoint
 from .errors import (
@@ -25,6 +27,11 @@ from .errors import (
 )
 from .follow import results_through_restarts
 from .protocol import PROTOCOL_VERSION, DaemonStatus, Event, Item, ItemResult
+
+try:
+    __version__ = version("kvmux")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ENDPOINT_ENV",

@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import msgspec
 import zmq
@@ -17,33 +18,104 @@ import zmq.asyncio
 from . import protocol as p
 from .curve import CurveKeys, curve_from_env
 from .endpoint import client_default_endpoint, ipc_path
-from .errors import BadRequest, DaemonUnreachable, KvmuxError, error_from_info
+from .errors import BadRequest, DaemonUnreachable, KvmuxError, Overloaded, error_from_info
 
 # A daemon silent for this many heartbeat intervals is taken as gone.
 _SILENT_INTERVALS = 5
+# What a message holds besides its items (op, id, job id, flags), with room to spare.
+_ENVELOPE_BYTES = 1024
+# Waiting for queue room: the first pause when the daemon gives no hint, the longest one.
+_BACKOFF_FIRST = 0.05
+_BACKOFF_MAX = 2.0
+
+Format = Literal["kvmux", "openai"]
 
 
 class Job:
     """A submitted (or re-attached) job: iterate its events, or wait for its results.
 
-    Results are kept by item index as they finish. If the event stream ever
-    misses one (the daemon dropped a message to a slow client), or the job was
-    attached after some items finished, :meth:`results` fetches the rest from
-    the daemon a page at a time, so no result is lost.
+    Results are kept by item index as they finish (unless ``keep_results`` is
+    False: then each lives only until its event is consumed, for a caller that
+    streams them elsewhere). If the event stream ever misses one (the daemon
+    dropped a message to a slow client), or the job was attached after some
+    items finished, :meth:`results` fetches the rest from the daemon a page at
+    a time, so no result is lost.
+
+    An open job (submitted with ``more=True``) takes more items with
+    :meth:`add` or :meth:`add_all` until one with ``last=True``; ``total``
+    counts what it holds so far. ``format`` is how its results are meant to be
+    written out, as its submitter said.
     """
 
-    def __init__(self, client: Client, job_id: str, total: int) -> None:
+    def __init__(
+        self,
+        client: Client,
+        job_id: str,
+        total: int,
+        *,
+        format: Format = "kvmux",
+        keep_results: bool = True,
+    ) -> None:
         self.client = client
         self.job_id = job_id
         self.total = total
+        self.format: Format = format
+        self.keep_results = keep_results
         self.results_by_index: dict[int, p.ItemResult] = {}
         self.finished = False
         self._queue: asyncio.Queue[p.Event | KvmuxError] = asyncio.Queue()
 
     def _push(self, event: p.Event | KvmuxError) -> None:
-        if isinstance(event, p.ItemFinished):
+        if isinstance(event, p.ItemFinished) and self.keep_results:
             self.results_by_index[event.result.index] = event.result
+        elif isinstance(event, p.JobFinished):
+            self.total = event.total
         self._queue.put_nowait(event)
+
+    async def add(
+        self,
+        items: Iterable[p.Item] = (),
+        rejected: Iterable[p.Rejected] = (),
+        *,
+        last: bool = False,
+    ) -> int:
+        """Add items (and lines that could not be parsed) to this open job; ``last``
+        closes it. Returns the job's total. :class:`Overloaded` when the daemon's
+        queue has no room for them now: send them again later (:meth:`add_all`
+        does)."""
+        return await self._add(_checked(items), list(rejected), last)
+
+    async def _add(self, items: list[p.Item], rejected: list[p.Rejected], last: bool) -> int:
+        reply = await self.client._request(
+            p.AddItems(id=0, job_id=self.job_id, items=items, rejected=rejected, last=last)
+        )
+        assert isinstance(reply, p.Added)
+        self.total = reply.total
+        return reply.total
+
+    async def add_all(
+        self,
+        entries: Iterable[p.Item | Refusal],
+        *,
+        on_wait: Callable[[float], None] | None = None,
+        on_added: Callable[[Chunk, int], None] | None = None,
+    ) -> int:
+        """Send every entry (items, and refused lines as :class:`Refusal`-likes) in
+        messages within the daemon's limits, waiting out ``overloaded``, then close the
+        job. Returns its total. See :class:`Feeder` for the callbacks."""
+        feeder = Feeder(entries, self.client)
+        await feeder.run(self, on_wait=on_wait, on_added=on_added)
+        return self.total
+
+    async def result_pages(self, start: int = 0) -> AsyncIterator[p.ItemResult]:
+        """Every result the daemon holds for this job from item ``start`` on, a page at a
+        time, without keeping them."""
+        at: int | None = start
+        while at is not None:
+            page = await self.client._results_page(self.job_id, at)
+            for r in page.results:
+                yield r
+            at = page.next
 
     def _seed(self, done: bool) -> None:
         if done:
@@ -51,12 +123,8 @@ class Job:
 
     async def fetch_results(self) -> list[p.ItemResult]:
         """Every result the daemon holds for this job now, fetched page by page."""
-        start: int | None = 0
-        while start is not None:
-            page = await self.client._results_page(self.job_id, start)
-            for r in page.results:
-                self.results_by_index[r.index] = r
-            start = page.next
+        async for r in self.result_pages():
+            self.results_by_index[r.index] = r
         return [self.results_by_index[i] for i in sorted(self.results_by_index)]
 
     async def events(self) -> AsyncIterator[p.Event]:
@@ -194,27 +262,69 @@ class Client:
         )
 
     # -- requests ------------------------------------------------------------
-    async def submit(self, items: Iterable[p.Item], *, detach: bool = False, name: str = "") -> Job:
-        """Submit a job. Items are checked locally first (:class:`BadRequest` names the item)."""
-        checked = []
-        for i, item in enumerate(items):
-            try:
-                checked.append(p.check_item(item))
-            except (msgspec.ValidationError, ValueError) as exc:
-                raise BadRequest(
-                    f"item {i} ({item.custom_id!r}): {exc}", {"index": i, "reason": str(exc)}
-                ) from exc
-        reply = await self._request(p.Submit(id=0, items=checked, detach=detach, name=name))
-        assert isinstance(reply, p.Accepted)
-        return self._handles.pop(reply.id)
+    async def submit(
+        self,
+        items: Iterable[p.Item],
+        *,
+        detach: bool = False,
+        name: str = "",
+        rejected: Iterable[p.Rejected] = (),
+        more: bool = False,
+        format: Format = "kvmux",
+        keep_results: bool = True,
+    ) -> Job:
+        """Submit a job. Items are checked locally first (:class:`BadRequest` names the item).
 
-    async def attach(self, job_id: str) -> Job:
+        ``rejected`` lines become error results of the job (so whoever collects it
+        sees them); ``more`` keeps it open for :meth:`Job.add`. A file of any size:
+        :meth:`submit_stream`."""
+        checked = _checked(items)
+        reply = await self._request(
+            p.Submit(
+                id=0,
+                items=checked,
+                detach=detach,
+                name=name,
+                format=format,
+                rejected=list(rejected),
+                more=more,
+            )
+        )
+        assert isinstance(reply, p.Accepted)
+        job = self._handles.pop(reply.id)
+        job.format = format
+        _keep(job, keep_results)
+        return job
+
+    async def submit_stream(
+        self,
+        entries: Iterable[p.Item | Refusal],
+        *,
+        detach: bool = False,
+        name: str = "",
+        format: Format = "kvmux",
+        keep_results: bool = True,
+        on_wait: Callable[[float], None] | None = None,
+        on_added: Callable[[Chunk, int], None] | None = None,
+    ) -> Job:
+        """One job from any number of entries: items, and lines that could not be parsed
+        (anything with ``line``, ``reason``, ``custom_id``), sent a bounded message at a
+        time; returns once all were added (its events are queued meanwhile)."""
+        job = await self.submit(
+            [], detach=detach, name=name, more=True, format=format, keep_results=keep_results
+        )
+        await job.add_all(entries, on_wait=on_wait, on_added=on_added)
+        return job
+
+    async def attach(self, job_id: str, *, keep_results: bool = True) -> Job:
         """Re-attach to a job (e.g. submitted with ``detach=True`` by an earlier client).
 
         Its live events follow; :meth:`Job.results` also fetches what finished before."""
         reply = await self._request(p.Attach(id=0, job_id=job_id))
         assert isinstance(reply, p.Attached)
-        return self._handles.pop(reply.id)
+        job = self._handles.pop(reply.id)
+        _keep(job, keep_results)
+        return job
 
     async def _results_page(self, job_id: str, start: int) -> p.ResultsPage:
         reply = await self._request(p.Results(id=0, job_id=job_id, start=start))
@@ -328,8 +438,9 @@ class Client:
                 # Registered before the submitter wakes: the job's events (its
                 # end included) may be in the very next message.
                 self._handles[rid] = self._jobs.setdefault(job_id, Job(self, job_id, total))
-            case p.Attached(id=rid, job_id=job_id, total=total, done=done):
+            case p.Attached(id=rid, job_id=job_id, total=total, done=done, format=fmt):
                 job = self._jobs.setdefault(job_id, Job(self, job_id, total))
+                job.total, job.format = total, fmt
                 job._seed(done)
                 self._handles[rid] = job
                 if done:
@@ -359,3 +470,181 @@ class Client:
             if not job.finished:
                 job._push(exc)
         self._jobs.clear()
+
+
+def _keep(job: Job, keep_results: bool) -> None:
+    job.keep_results = keep_results
+    if not keep_results:
+        # Any that arrived before the caller got the job are still in its event queue.
+        job.results_by_index.clear()
+
+
+def _checked(items: Iterable[p.Item]) -> list[p.Item]:
+    checked = []
+    for i, item in enumerate(items):
+        try:
+            checked.append(p.check_item(item))
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise BadRequest(
+                f"item {i} ({item.custom_id!r}): {exc}", {"index": i, "reason": str(exc)}
+            ) from exc
+    return checked
+
+
+def _refused(custom_id: str, reason: str, line: int | None) -> p.Rejected:
+    # Cut to the protocol's bounds: one overlong field must not refuse the whole message.
+    return p.Rejected(custom_id=custom_id[:512], reason=reason[:4096], line=line)
+
+
+class Refusal(Protocol):
+    """A line that could not become an item (the CLI's ``LineError`` is one)."""
+
+    @property
+    def line(self) -> int: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def custom_id(self) -> str: ...
+
+
+@dataclass
+class Chunk:
+    """One message's worth of entries: items, then refused lines (the daemon numbers
+    them in that order after what the job already holds)."""
+
+    items: list[p.Item] = field(default_factory=list)
+    rejected: list[p.Rejected] = field(default_factory=list)
+    last: bool = False
+
+    def __len__(self) -> int:
+        return len(self.items) + len(self.rejected)
+
+    def lines(self) -> list[int | None]:
+        """The input line of each entry, in the order the daemon numbers them."""
+        return [i.line for i in self.items] + [r.line for r in self.rejected]
+
+
+def chunked(
+    entries: Iterable[p.Item | Refusal], *, max_items: int, max_bytes: int
+) -> Iterator[Chunk]:
+    """``entries`` in messages of at most ``max_items`` entries and ``max_bytes`` encoded
+    bytes; the final one marked ``last`` (an empty one when there are none). An item
+    that is invalid, or too big for any message on its own, becomes a refused line."""
+    budget = max(max_bytes - _ENVELOPE_BYTES, 1)
+    chunk, size = Chunk(), 0
+    for entry in entries:
+        if isinstance(entry, p.Item):
+            one: p.Item | p.Rejected = entry
+            try:
+                one = p.check_item(entry)
+            except (msgspec.ValidationError, ValueError) as exc:
+                one = _refused(entry.custom_id, str(exc), entry.line)
+            n = len(p.encode(one))
+            if isinstance(one, p.Item) and n > budget:
+                one = _refused(
+                    entry.custom_id,
+                    f"this line is {n} bytes as an item; kvmuxd takes messages of at most "
+                    f"{max_bytes} bytes (server.max_message_bytes)",
+                    entry.line,
+                )
+        else:
+            one = _refused(entry.custom_id, entry.reason, entry.line)
+        n = len(p.encode(one))
+        if len(chunk) and (len(chunk) >= max_items or size + n > budget):
+            yield chunk
+            chunk, size = Chunk(), 0
+        if isinstance(one, p.Item):
+            chunk.items.append(one)
+        else:
+            chunk.rejected.append(one)
+        size += n
+    chunk.last = True
+    yield chunk
+
+
+class Feeder:
+    """Sends entries to an open job a bounded message at a time, and closes it.
+
+    Sizes come from the daemon's welcome (``max_job_items``,
+    ``max_message_bytes``). ``overloaded`` is waited out: the same message is sent
+    again after the daemon's ``retry_after`` hint, backing off up to 2 s, and
+    ``on_wait(seconds)`` hears how long this message has waited so far (then
+    ``on_wait(0.0)`` once it went in); ``on_added(chunk, total)`` hears each
+    message the daemon took and the job's total after it.
+
+    If the connection is lost, :meth:`resume` with the total a re-attach reports
+    tells the feeder whether the message in flight made it (the daemon commits a
+    message whole), and :meth:`run` goes on from there on the new job handle.
+    Reads its entries lazily, one message ahead at most.
+    """
+
+    def __init__(self, entries: Iterable[p.Item | Refusal], client: Client) -> None:
+        welcome = client.welcome
+        if welcome is None:
+            raise DaemonUnreachable(f"client for {client.endpoint} is not connected")
+        self._chunks = chunked(
+            entries, max_items=welcome.max_job_items, max_bytes=welcome.max_message_bytes
+        )
+        self.pending: Chunk | None = None
+        self.acked = 0  # entries the daemon has confirmed
+        self.closed = False
+        self.waited = 0.0  # seconds spent waiting for queue room, all messages together
+
+    def resume(self, total: int) -> None:
+        """Line up with the job's ``total`` after a re-attach."""
+        pending = self.pending
+        if pending is not None and total == self.acked + len(pending):
+            # The message was committed before the connection went.
+            self.acked = total
+            self.closed = pending.last
+            self.pending = None
+        elif total != self.acked:
+            raise BadRequest(
+                f"the job holds {total} items but {self.acked} were confirmed sent, with "
+                f"{0 if pending is None else len(pending)} in flight: it was changed by "
+                "someone else",
+                {"total": total, "acked": self.acked},
+            )
+
+    async def run(
+        self,
+        job: Job,
+        *,
+        on_wait: Callable[[float], None] | None = None,
+        on_added: Callable[[Chunk, int], None] | None = None,
+    ) -> None:
+        while not self.closed:
+            if self.pending is None:
+                self.pending = next(self._chunks)
+            chunk = self.pending
+            total = await self._send(job, chunk, on_wait)
+            self.acked = total
+            self.pending = None
+            self.closed = chunk.last
+            if on_added is not None:
+                on_added(chunk, total)
+
+    async def _send(self, job: Job, chunk: Chunk, on_wait: Callable[[float], None] | None) -> int:
+        backoff = _BACKOFF_FIRST
+        started: float | None = None
+        while True:
+            try:
+                total = await job._add(chunk.items, chunk.rejected, chunk.last)
+            except Overloaded as exc:
+                now = time.monotonic()
+                started = now if started is None else started
+                hint = exc.details.get("retry_after")
+                pause = hint if isinstance(hint, int | float) and hint > 0 else backoff
+                pause = min(max(pause, backoff), _BACKOFF_MAX)
+                backoff = min(backoff * 1.5, _BACKOFF_MAX)
+                if on_wait is not None:
+                    on_wait(now - started + pause)
+                await asyncio.sleep(pause)
+                continue
+            if started is not None:
+                self.waited += time.monotonic() - started
+                if on_wait is not None:
+                    on_wait(0.0)
+            return total

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
+import socket
+import time
 from pathlib import Path
 
 ENDPOINT_ENV = "KVMUX_ENDPOINT"
@@ -45,3 +49,66 @@ def ipc_path(endpoint: str) -> Path | None:
     if endpoint.startswith("ipc://"):
         return Path(endpoint[len("ipc://") :])
     return None
+
+
+_SCHEMES = ("ipc://", "tcp://", "inproc://", "pgm://", "epgm://", "vmci://", "ws://", "wss://")
+_HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9*][A-Za-z0-9.*-]*):\d{1,5}$")
+
+
+def normalize_endpoint(endpoint: str) -> str:
+    """An endpoint as ZeroMQ takes it: ``/path/to.sock`` (or ``./x.sock``) as
+    ``ipc://``, ``HOST:PORT`` as ``tcp://``; an endpoint with a scheme unchanged.
+
+    Raises ``ValueError`` naming the accepted forms for anything else, instead
+    of the ZMQError ZeroMQ would give.
+    """
+    text = endpoint.strip()
+    if text.startswith(_SCHEMES):
+        return text
+    if "://" in text:
+        raise ValueError(f"endpoint {endpoint!r}: unknown scheme; {ENDPOINT_FORMS}")
+    if text.startswith(("/", "./", "../", "~")):
+        return f"ipc://{Path(text).expanduser()}"
+    if _HOST_PORT.match(text):
+        return f"tcp://{text}"
+    raise ValueError(f"endpoint {endpoint!r} is not one kvmux understands; {ENDPOINT_FORMS}")
+
+
+ENDPOINT_FORMS = (
+    "use ipc:///path/to/kvmuxd.sock, tcp://HOST:PORT, a socket path (/path/to/kvmuxd.sock) "
+    "or HOST:PORT"
+)
+
+
+def stale_socket(path: Path) -> bool:
+    """Whether ``path`` is a unix socket file with nothing listening behind it (a
+    daemon that crashed): connecting is refused at once, where ZeroMQ would
+    retry quietly until its timeout."""
+    return _probe(path) == "refused"
+
+
+def _probe(path: Path) -> str:
+    """``listening``, ``refused`` (a stale socket file), ``missing``, or ``unknown``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        return "refused"
+    except FileNotFoundError:
+        return "missing"
+    except OSError:
+        return "unknown"  # not ours to judge (a permission problem, not a socket): ZeroMQ says
+    finally:
+        probe.close()
+    return "listening"
+
+
+async def socket_revives(path: Path, within: float) -> bool:
+    """Whether a stale ``path`` gets a listener within ``within`` seconds: a daemon
+    being restarted unlinks and binds it again within a second or two."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        if _probe(path) in ("listening", "unknown"):
+            return True
+    return False

@@ -20,7 +20,7 @@ import structlog
 
 from kvmux.kv import KvConfigError
 
-from .app import Daemon
+from .app import DAEMON_VERSION, Daemon
 from .config import EX_CONFIG, Config, ConfigError, load_config, with_endpoint
 from .engine import EngineError
 from .journal import JournalError
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "--endpoint",
         help="listen here instead of server.endpoint (ipc://PATH or tcp://HOST:PORT)",
     )
+    ap.add_argument("--version", action="version", version=f"%(prog)s {DAEMON_VERSION}")
     ap.add_argument(
         "--check-config", action="store_true", help="validate the config and exit (0 if valid)"
     )
@@ -88,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvmuxd: invalid config: {exc}", file=sys.stderr)
         return EX_CONFIG
     if args.check_config:
+        from .app import startup_problems  # what the daemon would refuse at start
+
+        problems = startup_problems(config)
+        for problem in problems:
+            print(f"kvmuxd: invalid config: {problem}", file=sys.stderr)
+        if problems:
+            return EX_CONFIG
         print(f"kvmuxd: config {args.config or '(defaults)'} is valid")
         return 0
     try:

@@ -20,15 +20,16 @@ from typing import Literal
 
 import anyio
 import anyio.abc
+import msgspec
 import structlog
 
 from kvmux.client import protocol as p
 from kvmux.client.endpoint import daemon_default_endpoint
 from kvmux.client.errors import ShuttingDown
-from kvmux.kv import MemoryBudget, failpoints, format_bytes, resolve_min_bucket
+from kvmux.kv import KvConfigError, MemoryBudget, failpoints, format_bytes, resolve_min_bucket
 
 from .access import OPERATOR, Caller
-from .config import Config
+from .config import Config, ConfigError, ModelConfig
 from .coordinator import GrowthCoordinator
 from .engine import Engine, EngineOptions
 from .journal import Journal, default_journal_path
@@ -45,6 +46,52 @@ try:
     DAEMON_VERSION = version("kvmux")
 except PackageNotFoundError:  # a source tree without an install
     DAEMON_VERSION = "0+unknown"
+
+
+# [model] keys that name a file or folder (by name, so a key added later is checked too).
+_PATH_SUFFIXES = ("path", "_file", "_template", "_dir")
+
+
+def startup_problems(config: Config) -> list[ConfigError]:
+    """What the daemon would refuse at start that the config's own validation cannot
+    see: model paths that do not exist, a model folder without its ``genai_config.json``,
+    an invalid ``KVMUX_KV_MIN_BUCKET``, CURVE key files that are not there
+    (``kvmuxd --check-config``)."""
+    problems: list[ConfigError] = []
+    model = config.model
+    for key in (f.name for f in msgspec.structs.fields(ModelConfig)):
+        value = getattr(model, key)
+        if key == "cache_dir" or not isinstance(value, str) or not value:
+            continue  # the cache folder is created on first use
+        if key == "path" or key.endswith(_PATH_SUFFIXES):
+            where = Path(value)
+            if not where.exists():
+                problems.append(ConfigError(f"{where} does not exist", key=f"model.{key}"))
+            elif key == "path" and not (where / "genai_config.json").is_file():
+                problems.append(
+                    ConfigError(
+                        f"{where} holds no genai_config.json: not a model folder as "
+                        "onnxruntime-genai's builder writes it",
+                        key="model.path",
+                    )
+                )
+    try:
+        resolve_min_bucket(config.kv.min_bucket)
+    except KvConfigError as exc:
+        problems.append(ConfigError(str(exc), key="kv.min_bucket"))
+    server = config.server
+    if server.curve_secret_key and not Path(server.curve_secret_key).is_file():
+        problems.append(
+            ConfigError(f"{server.curve_secret_key} is not a file", key="server.curve_secret_key")
+        )
+    if server.curve_authorized_keys and not Path(server.curve_authorized_keys).is_dir():
+        problems.append(
+            ConfigError(
+                f"{server.curve_authorized_keys} is not a folder",
+                key="server.curve_authorized_keys",
+            )
+        )
+    return problems
 
 
 class Daemon:
@@ -93,6 +140,7 @@ class Daemon:
             min_bucket=cfg.kv.min_bucket,
             max_len=cfg.kv.max_len or None,
             cuda_graph=cfg.model.cuda_graph,
+            chat_template=Path(cfg.model.chat_template) if cfg.model.chat_template else None,
         )
         return Engine(folder, options, budget=MemoryBudget(cfg.kv.memory_budget or None))
 
@@ -218,7 +266,8 @@ class Daemon:
         scheduler.draining = True
         self.notifier.stopping(self.status_line())
         grace = self.config.shutdown.grace
-        log.info("daemon_draining", grace_seconds=grace, **scheduler.counts())
+        # A warning: unfinished items may end (or wait for a restart) because of it.
+        log.warning("daemon_draining", grace_seconds=grace, **scheduler.counts())
         with anyio.move_on_after(grace):
             while not scheduler.idle:
                 await anyio.sleep(0.05)

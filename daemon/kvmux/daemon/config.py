@@ -70,6 +70,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     name: str = "tiny"
     path: str = ""
+    # A Jinja chat template file for chat requests, overriding the model's own
+    # (chat_template.jinja or tokenizer_config.json); read like ``path``.
+    chat_template: str = ""
     cache_dir: str = ""
     provider: Literal["cpu", "cuda"] = "cpu"
     device_id: NonNegInt = 0
@@ -123,6 +126,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_queued_per_owner: NonNegInt = 0
     # The wire protocol carries at most 65536 items per submit.
     max_job_items: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 4096
+    # Items (and rejected lines) one open job may gather over all its messages.
+    max_job_total: PositiveInt = 1_000_000
     prefill_chunk: PositiveInt = 256
     on_growth_failure: Literal["wait", "fail"] = "wait"
     growth_retries: NonNegInt = 8
@@ -141,6 +146,9 @@ class JobsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     journal: str | None = None
     journal_sync: Literal["normal", "full"] = "normal"
     max_journal_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 1 << 30
+    # An open job (still taking items) that nobody is attached to and that got
+    # nothing for this long is closed: it then finishes with what it has.
+    open_timeout: PositiveFloat = 600.0
 
 
 class LogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

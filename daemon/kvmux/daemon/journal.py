@@ -23,11 +23,20 @@ daemon upgrades an older version's file in :func:`_migrate`, inside one
 transaction, before anything else reads it; a file from a newer daemon is
 refused with its version named):
 
-- ``jobs(job_id, owner, name, detached, created, finished, total)``: wall-clock
-  times (seconds since the epoch), so retention runs across restarts;
+- ``jobs(job_id, owner, name, detached, created, finished, total, format,
+  open)``: wall-clock times (seconds since the epoch), so retention runs
+  across restarts; ``format`` is how its results are written out; ``open``
+  (version 2) marks a job still taking items;
 - ``items(job_id, idx, item, result)``: the wire ``Item`` as accepted (its seed
   resolved, so a replayed sampled item draws the same tokens) and, once it
-  finished, its ``ItemResult``, both msgpack.
+  finished, its ``ItemResult``, both msgpack. A line the client could not
+  parse is a row with its ``Item`` reduced to ``custom_id`` and ``line`` and
+  its ``bad_request`` result, written together.
+
+Items added to an open job are committed before ``added`` is answered, like
+a submit's. A job journaled open comes back open after a restart: its
+client re-attaches and adds from the total the daemon reports (it closes
+after ``jobs.open_timeout`` if nobody does).
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ from kvmux.client.protocol import Item, ItemResult
 
 log = structlog.get_logger("kvmux.journal")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -62,7 +71,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     detached INTEGER NOT NULL,
     created  REAL NOT NULL,
     finished REAL,
-    total    INTEGER NOT NULL
+    total    INTEGER NOT NULL,
+    format   TEXT NOT NULL DEFAULT 'kvmux',
+    open     INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS items (
     job_id TEXT NOT NULL REFERENCES jobs(job_id) ON DELETE CASCADE,
@@ -96,6 +107,8 @@ class JournaledJob:
     detached: bool
     created: float
     finished: float | None
+    format: str = "kvmux"
+    open: bool = False
     items: list[Item] = field(default_factory=list)
     results: dict[int, ItemResult] = field(default_factory=dict)
 
@@ -129,10 +142,13 @@ class Journal:
         """Every journaled job, oldest first, with its items and finished results."""
         jobs: dict[str, JournaledJob] = {}
         rows = self._db.execute(
-            "SELECT job_id, owner, name, detached, created, finished FROM jobs ORDER BY created"
+            "SELECT job_id, owner, name, detached, created, finished, format, open FROM jobs "
+            "ORDER BY created"
         )
-        for job_id, owner, name, detached, created, finished in rows:
-            jobs[job_id] = JournaledJob(job_id, owner, name, bool(detached), created, finished)
+        for job_id, owner, name, detached, created, finished, fmt, is_open in rows:
+            jobs[job_id] = JournaledJob(
+                job_id, owner, name, bool(detached), created, finished, fmt, bool(is_open)
+            )
         for job_id, idx, item, result in self._db.execute(
             "SELECT job_id, idx, item, result FROM items ORDER BY job_id, idx"
         ):
@@ -162,21 +178,54 @@ class Journal:
         return fut
 
     def add_job(
-        self, job_id: str, owner: str, name: str, detached: bool, items: list[Item]
+        self,
+        job_id: str,
+        owner: str,
+        name: str,
+        detached: bool,
+        items: list[Item],
+        *,
+        results: dict[int, ItemResult] | None = None,
+        format: str = "kvmux",
+        open: bool = False,
     ) -> concurrent.futures.Future[None]:
+        """A new job with its first items; ``results`` are those already decided
+        (rejected lines), keyed by index."""
         now = time.time()
+        rows = _rows(job_id, 0, items, results or {})
 
         def op(db: sqlite3.Connection) -> None:
             db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, NULL, ?)",
-                (job_id, owner, name, int(detached), now, len(items)),
+                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?)",
+                (job_id, owner, name, int(detached), now, len(items), format, int(open)),
             )
-            db.executemany(
-                "INSERT INTO items VALUES (?, ?, ?, NULL)",
-                [(job_id, i, _encode(item)) for i, item in enumerate(items)],
+            db.executemany("INSERT INTO items VALUES (?, ?, ?, ?)", rows)
+
+        return self.submit(op)
+
+    def add_items(
+        self,
+        job_id: str,
+        start: int,
+        items: list[Item],
+        *,
+        results: dict[int, ItemResult] | None = None,
+        close: bool = False,
+    ) -> concurrent.futures.Future[None]:
+        """More items of an open job, numbered from ``start``; ``close`` ends its intake."""
+        rows = _rows(job_id, start, items, results or {})
+
+        def op(db: sqlite3.Connection) -> None:
+            db.executemany("INSERT INTO items VALUES (?, ?, ?, ?)", rows)
+            db.execute(
+                "UPDATE jobs SET total = ?, open = ? WHERE job_id = ?",
+                (start + len(items), int(not close), job_id),
             )
 
         return self.submit(op)
+
+    def set_closed(self, job_id: str) -> None:
+        self.submit(lambda db: db.execute("UPDATE jobs SET open = 0 WHERE job_id = ?", (job_id,)))
 
     def add_result(self, job_id: str, result: ItemResult) -> int:
         """Queue a finished item's result; returns its encoded size."""
@@ -261,6 +310,16 @@ class Journal:
             fut.set_result(None)
 
 
+def _rows(
+    job_id: str, start: int, items: list[Item], results: dict[int, ItemResult]
+) -> list[tuple[str, int, bytes, bytes | None]]:
+    rows = []
+    for i, item in enumerate(items, start):
+        result = results.get(i)
+        rows.append((job_id, i, _encode(item), None if result is None else _encode(result)))
+    return rows
+
+
 def default_journal_path(endpoint: str) -> Path:
     """A per-user journal for a hand-started daemon, one per endpoint (two daemons on
     two sockets are two services): ``$XDG_STATE_HOME/kvmux/`` (``~/.local/state``)."""
@@ -320,7 +379,11 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
         )
     if version == 0:
         db.executescript(_SCHEMA)
-    # Future versions: `if version < 2: ALTER TABLE ...` steps, in order, here.
+    elif version < 2:
+        # Version 2: jobs remember their output format and whether they take more items.
+        db.execute("ALTER TABLE jobs ADD COLUMN format TEXT NOT NULL DEFAULT 'kvmux'")
+        db.execute("ALTER TABLE jobs ADD COLUMN open INTEGER NOT NULL DEFAULT 0")
+    # Future versions: `if version < 3: ALTER TABLE ...` steps, in order, here.
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 

@@ -27,13 +27,15 @@ seed, so the replay produces the very same tokens).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import math
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -50,6 +52,7 @@ from kvmux.client.errors import (
     StorageFull,
 )
 from kvmux.client.protocol import (
+    AddItems,
     ErrorInfo,
     Event,
     Item,
@@ -58,9 +61,12 @@ from kvmux.client.protocol import (
     ItemStarted,
     JobFinished,
     JobInfo,
+    Rejected,
     SessionInfo,
     Submit,
     TokenDelta,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from kvmux.kv import (
@@ -73,7 +79,14 @@ from kvmux.kv import (
 from .access import OPERATOR, Caller
 from .config import JobsConfig, SchedulerConfig, owner_queue_share
 from .coordinator import GrowthCoordinator
-from .engine import Admission, DecodeSession, Engine, SamplingParams, StepOutput
+from .engine import (
+    Admission,
+    DecodeSession,
+    Engine,
+    SamplingParams,
+    StepOutput,
+    TokenLogprobs,
+)
 from .errors import error_info
 from .journal import Journal, JournaledJob, JournalFull
 from .metrics import Metrics
@@ -91,7 +104,7 @@ Phase = Literal["queued", "opening", "active", "growing", "parked", "failing", "
 Deliver = Callable[[bytes, list[Event]], None]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ItemState:
     """One item's life: queued, then a session (active/growing/parked), then a result."""
 
@@ -99,6 +112,11 @@ class ItemState:
     index: int
     custom_id: str
     admission: Admission | None = None
+    # Echoed into its result untouched (see Item): input line, choice, chat or not.
+    line: int | None = None
+    choice: int = 0
+    choices: int = 1
+    chat: bool = False
     session: DecodeSession | None = None
     phase: Phase = "queued"
     result: ItemResult | None = None
@@ -120,6 +138,19 @@ class ItemState:
     def session_id(self) -> str:
         return f"{self.job.job_id}/{self.index}"
 
+    def make_result(self, status: Literal["ok", "error"], **fields: Any) -> ItemResult:
+        """Its result, carrying what the item asked to have echoed."""
+        return ItemResult(
+            index=self.index,
+            custom_id=self.custom_id,
+            status=status,
+            line=self.line,
+            choice=self.choice,
+            choices=self.choices,
+            chat=self.chat,
+            **fields,
+        )
+
 
 @dataclass(eq=False)
 class JobState:
@@ -133,7 +164,13 @@ class JobState:
     name: str
     owner: str  # who may see and act on it (see kvmux.daemon.access)
     items: list[ItemState] = field(default_factory=list)
+    # Takes more items (AddItems) until closed; it finishes only once closed.
+    open: bool = False
+    format: Literal["kvmux", "openai"] = "kvmux"
     created: float = field(default_factory=time.monotonic)
+    touched: float = field(default_factory=time.monotonic)  # its last submit or addition
+    # Additions are checked one at a time, so items are numbered in arrival order.
+    adding: anyio.Lock = field(default_factory=anyio.Lock)
     finished_at: float | None = None
     ok: int = 0
     failed: int = 0
@@ -142,7 +179,7 @@ class JobState:
 
     @property
     def done(self) -> bool:
-        return self.ok + self.failed == len(self.items)
+        return not self.open and self.ok + self.failed == len(self.items)
 
     def results(self) -> list[ItemResult]:
         return [it.result for it in self.items if it.result is not None]
@@ -152,7 +189,7 @@ class JobState:
         (at least one); and the index the next page starts at, None when none is left."""
         page: list[ItemResult] = []
         size = 0
-        for state in self.items[start:]:
+        for state in itertools.islice(self.items, start, None):
             result = state.result
             if result is None:
                 continue
@@ -215,50 +252,23 @@ class Scheduler:
     ) -> JobState | None:
         """Validate and enqueue a job. Whole-job refusals raise; a bad item fails alone.
 
-        None if ``still_wanted`` says, once the items are checked, that the client
-        is gone: a job nobody can learn the id of is never started."""
+        With ``more`` the job stays open for :meth:`add_items`. None if
+        ``still_wanted`` says, once the items are checked, that the client is gone:
+        a job nobody can learn the id of is never started."""
         if self.draining:
             raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
-        n = len(msg.items)
-        if n > self.cfg.max_job_items:
-            raise BadRequest(
-                f"job has {n} items; this daemon takes at most {self.cfg.max_job_items} per job "
-                "(scheduler.max_job_items): split it",
-                {"items": n, "max_job_items": self.cfg.max_job_items},
-            )
-        free = self.cfg.max_queued_items - self._queued - self._reserved
-        if n > free:
-            raise Overloaded(
-                f"queue full: {self._queued} items queued of {self.cfg.max_queued_items} "
-                f"(scheduler.max_queued_items); the job's {n} items do not fit. Retry later.",
-                {"items": n, "queued": self._queued, "max_queued_items": self.cfg.max_queued_items},
-            )
+        if not msg.items and not msg.rejected and not msg.more:
+            raise BadRequest("a job needs at least one item (or `more` to add them later)")
         owner = caller.owner
-        share = owner_queue_share(self.cfg)
-        mine = self._queued_by[owner]
-        if mine + n > share:
-            raise Overloaded(
-                f"your queue share is full: {mine} of your items are queued and one owner may "
-                f"queue {share} (scheduler.max_queued_per_owner); the job's {n} items do not "
-                "fit. Retry when some have started.",
-                {"items": n, "queued_by_you": mine, "max_queued_per_owner": share},
-            )
-        self._reserved += n
-        self._queued_by[owner] += n
-        try:
-            # Tokenizing is neither the event loop's nor the model thread's work:
-            # a long prompt on a side thread (the tokenizer lets go of the GIL)
-            # holds up no step and no other client.
-            checks = await anyio.to_thread.run_sync(
-                self._admit_all, msg.items, limiter=self._tokenizer
-            )
-        finally:
-            self._reserved -= n
-            self._queued_by[owner] -= n
-        if self.draining:  # the stop began while the items were being checked
-            raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
+        self._check_message(len(msg.items), len(msg.rejected), 0)
+        checks = await self._check_items(msg.items, owner)
         if still_wanted is not None and not still_wanted():
-            log.info("job_dropped", owner=owner, items=n, reason="client gone before it started")
+            log.info(
+                "job_dropped",
+                owner=owner,
+                items=len(msg.items),
+                reason="client gone before it started",
+            )
             return None
         job = JobState(
             job_id=secrets.token_hex(6),
@@ -266,48 +276,261 @@ class Scheduler:
             detached=msg.detach,
             name=msg.name,
             owner=owner,
+            open=msg.more,
+            format=msg.format,
         )
+        rejected = self._rejected_results(len(msg.items), msg.rejected)
         if self.journal is not None:
             # Written before it is acknowledged; sampled items with the seed the
             # daemon chose, so a replay after a crash draws the same tokens.
-            wire = [_with_seed(item, check) for item, check in zip(msg.items, checks, strict=True)]
-            job.journal_bytes = sum(len(_ENCODER.encode(item)) for item in wire)
-            try:
-                await asyncio.wrap_future(
-                    self.journal.add_job(job.job_id, owner, msg.name, msg.detach, wire)
-                )
-            except JournalFull as exc:
-                raise StorageFull(
-                    f"kvmuxd cannot write its job journal ({exc}); running items go on, new jobs "
-                    "are refused until the disk has room",
-                    {"journal": str(self.journal.path)},
-                ) from exc
-            if self.draining:
-                raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
-        self._enqueue(job, list(zip(msg.items, checks, strict=True)))
+            wire = self._journaled(msg.items, checks, msg.rejected)
+            await self._journal_write(
+                job,
+                wire,
+                self.journal.add_job(
+                    job.job_id,
+                    owner,
+                    msg.name,
+                    msg.detach,
+                    wire,
+                    results=rejected,
+                    format=msg.format,
+                    open=msg.more,
+                ),
+            )
+        self._jobs[job.job_id] = job
+        self._append(job, msg.items, checks, rejected)
         log.info(
             "job_accepted",
             job_id=job.job_id,
-            items=n,
+            items=len(msg.items),
             queued=sum(1 for s in job.items if s.phase == "queued" and s.failure is None),
-            rejected=sum(1 for s in job.items if s.failure is not None),
+            refused=sum(1 for s in job.items if s.failure is not None) + len(rejected),
             detached=job.detached,
+            open=job.open,
         )
-        for state in job.items:
+        return job
+
+    async def add_items(
+        self, client: bytes, msg: AddItems, *, caller: Caller = OPERATOR
+    ) -> JobState:
+        """Append items (and rejected lines) to an open job; ``last`` closes it.
+
+        Refused whole (``overloaded``) when the items do not fit the queue now:
+        the caller sends the same message again later. Items are numbered in
+        arrival order."""
+        job = self.find(msg.job_id, caller)
+        if job.adding.locked():
+            # One addition at a time per job: a flood would otherwise pile up
+            # messages (each up to max_message_bytes) waiting for their turn.
+            raise Overloaded(
+                f"an addition to job {job.job_id} is still being checked; send the next one "
+                "after its answer",
+                {"job_id": job.job_id, "retry_after": 0.05},
+            )
+        async with job.adding:
+            if self.draining:
+                raise ShuttingDown("kvmuxd is shutting down and admits no new items")
+            self._check_open(job)
+            self._check_message(len(msg.items), len(msg.rejected), len(job.items))
+            checks = await self._check_items(msg.items, job.owner)
+            self._check_open(job)  # cancelled, or closed for want of a client, meanwhile
+            start = len(job.items)
+            rejected = self._rejected_results(start + len(msg.items), msg.rejected)
+            if self.journal is not None:
+                wire = self._journaled(msg.items, checks, msg.rejected)
+                await self._journal_write(
+                    job,
+                    wire,
+                    self.journal.add_items(
+                        job.job_id, start, wire, results=rejected, close=msg.last
+                    ),
+                )
+                self._check_open(job)
+            job.touched = time.monotonic()
+            if msg.last:
+                job.open = False
+            self._append(job, msg.items, checks, rejected)
+            log.info(
+                "job_items_added",
+                job_id=job.job_id,
+                items=len(msg.items),
+                rejected=len(msg.rejected),
+                total=len(job.items),
+                last=msg.last,
+            )
+            return job
+
+    def _check_open(self, job: JobState) -> None:
+        if not job.open:
+            raise BadRequest(
+                f"job {job.job_id} takes no more items: it was closed (by a last addition, a "
+                "cancel, or after jobs.open_timeout with nobody attached)",
+                {"job_id": job.job_id},
+            )
+
+    def _check_message(self, items: int, rejected: int, total: int) -> None:
+        """One message's bounds: ``scheduler.max_job_items`` per message,
+        ``scheduler.max_job_total`` per job."""
+        n = items + rejected
+        cap = self.cfg.max_job_items
+        if n > cap:
+            raise BadRequest(
+                f"this message carries {n} items and rejected lines; this daemon takes at most "
+                f"{cap} per message (scheduler.max_job_items): send them in several (an open "
+                "job takes more with each addition)",
+                {"items": n, "max_job_items": cap},
+            )
+        if total + n > self.cfg.max_job_total:
+            raise BadRequest(
+                f"the job would hold {total + n} items; this daemon takes at most "
+                f"{self.cfg.max_job_total} per job (scheduler.max_job_total)",
+                {"items": total + n, "max_job_total": self.cfg.max_job_total},
+            )
+
+    async def _check_items(self, items: list[Item], owner: str) -> list[Admission | Exception]:
+        """Admission checks of ``items`` off the loop, within the queue's bounds:
+        ``overloaded`` (with a ``retry_after`` hint) when they do not fit now."""
+        n = len(items)
+        free = self.cfg.max_queued_items - self._queued - self._reserved
+        # The queue drains about as fast as the active sessions finish items: a
+        # hint, not a promise, for when to send the same request again.
+        retry_after = round(min(2.0, max(0.05, 20 * self._step_seconds)), 3)
+        if n > free:
+            raise Overloaded(
+                f"queue full: {self._queued} items queued of {self.cfg.max_queued_items} "
+                f"(scheduler.max_queued_items); these {n} items do not fit. Retry later.",
+                {
+                    "items": n,
+                    "queued": self._queued,
+                    "max_queued_items": self.cfg.max_queued_items,
+                    "retry_after": retry_after,
+                },
+            )
+        share = owner_queue_share(self.cfg)
+        mine = self._queued_by[owner]
+        if mine + n > share:
+            raise Overloaded(
+                f"your queue share is full: {mine} of your items are queued and one owner may "
+                f"queue {share} (scheduler.max_queued_per_owner); these {n} items do not "
+                "fit. Retry when some have started.",
+                {
+                    "items": n,
+                    "queued_by_you": mine,
+                    "max_queued_per_owner": share,
+                    "retry_after": retry_after,
+                },
+            )
+        if not items:
+            return []
+        self._reserved += n
+        self._queued_by[owner] += n
+        try:
+            # Tokenizing is neither the event loop's nor the model thread's work:
+            # a long prompt on a side thread (the tokenizer lets go of the GIL)
+            # holds up no step and no other client.
+            checks = await anyio.to_thread.run_sync(self._admit_all, items, limiter=self._tokenizer)
+        finally:
+            self._reserved -= n
+            self._queued_by[owner] -= n
+        if self.draining:  # the stop began while the items were being checked
+            raise ShuttingDown("kvmuxd is shutting down and admits no new items")
+        return checks
+
+    @staticmethod
+    def _rejected_results(start: int, rejected: list[Rejected]) -> dict[int, ItemResult]:
+        """Lines the client could not parse, as the job's error results from ``start`` on."""
+        out = {}
+        for index, r in enumerate(rejected, start):
+            where = f"line {r.line}: " if r.line is not None else ""
+            out[index] = ItemResult(
+                index=index,
+                custom_id=r.custom_id,
+                status="error",
+                error=ErrorInfo(
+                    "bad_request", where + r.reason, {"line": r.line, "reason": r.reason}
+                ),
+                line=r.line,
+            )
+        return out
+
+    @staticmethod
+    def _journaled(
+        items: list[Item],
+        checks: list[Admission | Exception],
+        rejected: list[Rejected],
+    ) -> list[Item]:
+        wire = [_with_seed(item, check) for item, check in zip(items, checks, strict=True)]
+        # A rejected line has no item: its row keeps what identifies it.
+        wire.extend(Item(custom_id=r.custom_id, line=r.line) for r in rejected)
+        return wire
+
+    async def _journal_write(
+        self, job: JobState, wire: list[Item], pending: concurrent.futures.Future[None]
+    ) -> None:
+        """Wait for a submit's or an addition's commit (nothing is acknowledged before)."""
+        assert self.journal is not None
+        size = sum(len(_ENCODER.encode(item)) for item in wire)
+        job.journal_bytes += size
+        self._journal_total += size
+        try:
+            await asyncio.wrap_future(pending)
+        except JournalFull as exc:
+            raise StorageFull(
+                f"kvmuxd cannot write its job journal ({exc}); running items go on, new items "
+                "are refused until the disk has room",
+                {"journal": str(self.journal.path)},
+            ) from exc
+        if self.draining:
+            raise ShuttingDown("kvmuxd is shutting down and admits no new items")
+
+    def _append(
+        self,
+        job: JobState,
+        items: list[Item],
+        checks: list[Admission | Exception],
+        rejected: dict[int, ItemResult],
+    ) -> None:
+        """Give ``items`` and ``rejected`` their places in ``job``; queue the admitted."""
+        start = len(job.items)
+        self._enqueue(job, list(zip(items, checks, strict=True)))
+        for state in job.items[start:]:
             if state.failure is not None:
                 self._finish(state, error=state.failure)
+        for index, result in rejected.items():
+            state = ItemState(
+                job, index, result.custom_id, line=result.line, phase="done", result=result
+            )
+            job.items.append(state)
+            job.failed += 1
+            if self.journal is not None:
+                size = len(_ENCODER.encode(result))
+                job.journal_bytes += size
+                self._journal_total += size
+            self.finished_by_code["bad_request"] += 1
+            self._emit(job, ItemFinished(job_id=job.job_id, result=result))
+        if job.done and job.job_id in self._jobs:
+            self._job_done(job)
         self.poke()
-        return job
 
     def _enqueue(
         self, job: JobState, items: list[tuple[Item, Admission | Exception | ItemResult]]
     ) -> int:
-        """Register ``job`` with its items: admitted ones queued in order, refused ones
-        marked to fail, finished ones (from a journal) done. Returns how many queued."""
+        """Register ``job`` with more items (after those it has): admitted ones queued in
+        order, refused ones marked to fail, finished ones (from a journal) done. Returns
+        how many queued."""
         self._jobs[job.job_id] = job
         queue: deque[ItemState] = deque()
-        for index, (item, outcome) in enumerate(items):
-            state = ItemState(job, index, item.custom_id)
+        for index, (item, outcome) in enumerate(items, len(job.items)):
+            state = ItemState(
+                job,
+                index,
+                item.custom_id,
+                line=item.line,
+                choice=item.choice,
+                choices=item.choices,
+                chat=item.messages is not None,
+            )
             job.items.append(state)
             if isinstance(outcome, Admission):
                 state.admission = outcome
@@ -323,7 +546,11 @@ class Scheduler:
             else:
                 state.failure = outcome
         if queue:
-            self._queue.setdefault(job.owner, OrderedDict())[job.job_id] = queue
+            jobs = self._queue.setdefault(job.owner, OrderedDict())
+            if job.job_id in jobs:
+                jobs[job.job_id].extend(queue)
+            else:
+                jobs[job.job_id] = queue
             self._queued += len(queue)
             self._queued_by[job.owner] += len(queue)
         return len(queue)
@@ -341,6 +568,9 @@ class Scheduler:
                 detached=record.detached,
                 name=record.name,
                 owner=record.owner,
+                # An open job comes back open: its client re-attaches and adds the rest.
+                open=record.open,
+                format="openai" if record.format == "openai" else "kvmux",
                 created=now_mono - max(0.0, now_wall - record.created),
             )
             job.journal_bytes = sum(len(_ENCODER.encode(i)) for i in record.items)
@@ -375,7 +605,8 @@ class Scheduler:
 
     def _admit(self, item: Item) -> Admission | Exception:
         try:
-            if item.messages is not None or (item.prompt is None) == (item.prompt_tokens is None):
+            given = [x for x in (item.prompt, item.prompt_tokens, item.messages) if x is not None]
+            if len(given) != 1:
                 raise BadRequest(
                     "exactly one of `prompt`, `prompt_tokens` and `messages` must be given"
                 )
@@ -394,8 +625,23 @@ class Scheduler:
                 seed=item.seed,
                 stop=tuple(item.stop),
                 ignore_eos=item.ignore_eos,
+                min_new_tokens=item.min_new_tokens,
+                min_p=item.min_p,
+                repetition_penalty=item.repetition_penalty,
+                presence_penalty=item.presence_penalty,
+                frequency_penalty=item.frequency_penalty,
+                stop_token_ids=tuple(item.stop_token_ids),
+                logprobs=item.logprobs,
+                skip_special_tokens=item.skip_special_tokens,
             )
-            prompt = item.prompt if item.prompt is not None else list(item.prompt_tokens or [])
+            prompt: str | list[int]
+            if item.messages is not None:
+                # Rendered here, on the tokenizer's side thread: the event loop never runs Jinja.
+                prompt = self.engine.render_chat([msgspec.structs.asdict(m) for m in item.messages])
+            elif item.prompt is not None:
+                prompt = item.prompt
+            else:
+                prompt = list(item.prompt_tokens or [])
             if isinstance(prompt, str):
                 self._check_prompt_bytes(prompt, item.max_context)
             admission = self.engine.admit(prompt, params, max_context=item.max_context)
@@ -517,6 +763,8 @@ class Scheduler:
         return [j.job_id for j in gone]
 
     def _cancel_job(self, job: JobState, reason: Exception) -> None:
+        # A cancelled job takes no more items: it finishes once those it has end.
+        self._close(job)
         jobs = self._queue.get(job.owner)
         queue = jobs.pop(job.job_id, None) if jobs is not None else None
         if jobs is not None and not jobs:
@@ -528,7 +776,38 @@ class Scheduler:
         for state in job.items:
             if state.phase not in ("done", "queued"):
                 state.cancel_with = reason
+        if job.done and job.job_id in self._jobs:
+            self._job_done(job)  # nothing was left running
         self.poke()
+
+    def _close(self, job: JobState) -> None:
+        if job.open:
+            job.open = False
+            if self.journal is not None:
+                self.journal.set_closed(job.job_id)
+
+    def close_abandoned(self) -> list[str]:
+        """Close the open jobs nobody is attached to that got nothing for
+        ``jobs.open_timeout`` seconds (a client that died mid-file, or never came
+        back after a restart): they finish with the items they have."""
+        cutoff = time.monotonic() - self.jobs_cfg.open_timeout
+        closed = []
+        for job in list(self._jobs.values()):
+            if job.open and not job.clients and job.touched < cutoff and not job.adding.locked():
+                self._close(job)
+                closed.append(job.job_id)
+                log.warning(
+                    "open_job_closed",
+                    job_id=job.job_id,
+                    items=len(job.items),
+                    idle_seconds=self.jobs_cfg.open_timeout,
+                    reason="nobody attached and nothing added",
+                )
+                if job.done:
+                    self._job_done(job)
+        if closed:
+            self.poke()
+        return closed
 
     # -- the loop ------------------------------------------------------------------
     def poke(self) -> None:
@@ -872,10 +1151,8 @@ class Scheduler:
             done = state.session.completion()
             self._finish(
                 state,
-                result=ItemResult(
-                    index=state.index,
-                    custom_id=state.custom_id,
-                    status="ok",
+                result=state.make_result(
+                    "ok",
                     text=done.text,
                     token_ids=done.token_ids,
                     finish_reason=done.finish_reason,
@@ -885,6 +1162,7 @@ class Scheduler:
                         done.prompt_tokens + done.completion_tokens,
                     ),
                     seed=done.seed,
+                    logprobs=_wire_logprobs(done.logprobs),
                 ),
             )
 
@@ -895,6 +1173,7 @@ class Scheduler:
         """End an item: release its session, record and announce its result."""
         job = state.job
         freed = 0
+        partial = _partial(state, error) if result is None else None
         session = state.session
         capacity = 0
         if session is not None:
@@ -907,12 +1186,12 @@ class Scheduler:
         if result is None:
             assert error is not None
             info: ErrorInfo = error_info(error, job_id=job.job_id, session_id=state.session_id)
-            result = ItemResult(
-                index=state.index, custom_id=state.custom_id, status="error", error=info
-            )
+            result = state.make_result("error", error=info)
         state.result = result
         state.phase = "done"
         state.admission = None
+        if partial is not None:
+            state.result = result = partial(result)
         job.tokens += len(result.token_ids)
         if self.journal is not None:
             size = self.journal.add_result(job.job_id, result)
@@ -925,14 +1204,19 @@ class Scheduler:
                 self.metrics.tpot.observe((time.monotonic() - state.first_token_at) / (n - 1))
         else:
             job.failed += 1
-        self.finished_by_code["ok" if result.error is None else result.error.code] += 1
-        log.info(
+        code = None if result.error is None else result.error.code
+        self.finished_by_code[code or "ok"] += 1
+        # What went wrong in the daemon (not a client's bad item or cancel) is a
+        # warning, so `kvmux logs --level warning` shows every failure.
+        emit = log.warning if code in _FAILURE_CODES else log.info
+        emit(
             "session_finished",
             job_id=job.job_id,
             session_id=state.session_id,
             status=result.status,
             finish_reason=result.finish_reason,
-            error=None if result.error is None else result.error.code,
+            error=code,
+            message=None if result.error is None else result.error.message[:500],
             completion_tokens=len(result.token_ids),
             capacity=capacity,
         )
@@ -1077,6 +1361,9 @@ class Scheduler:
 
 
 _ENCODER = msgspec.msgpack.Encoder()
+_FAILURE_CODES = frozenset(
+    {"kv_capacity_exceeded", "kv_growth_failed", "run_failed", "internal", "shutdown"}
+)
 
 
 def _with_seed(item: Item, check: Admission | Exception) -> Item:
@@ -1084,6 +1371,35 @@ def _with_seed(item: Item, check: Admission | Exception) -> Item:
     if isinstance(check, Admission) and item.seed is None and not check.sampling.greedy:
         return msgspec.structs.replace(item, seed=check.sampling.seed)
     return item
+
+
+def _partial(
+    state: ItemState, error: Exception | None
+) -> Callable[[ItemResult], ItemResult] | None:
+    """For an item stopped mid-decode (cancelled, shut down): what puts the text and
+    tokens it had produced into its error result, marked ``partial``."""
+    session = state.session
+    if session is None or not isinstance(error, Cancelled | ShuttingDown) or not session.generated:
+        return None
+    session.stream.finish()  # what the decoder held back (a partial character) too
+    text, token_ids = session.stream.text, list(session.generated)
+
+    def keep(result: ItemResult) -> ItemResult:
+        error = result.error
+        if error is not None:
+            error = msgspec.structs.replace(error, details={**error.details, "partial": True})
+        return msgspec.structs.replace(result, text=text, token_ids=token_ids, error=error)
+
+    return keep
+
+
+def _wire_logprobs(logprobs: list[TokenLogprobs] | None) -> list[TokenLogprob] | None:
+    if logprobs is None:
+        return None
+    return [
+        TokenLogprob(e.token_id, e.token, e.logprob, [TopLogprob(*t) for t in e.top])
+        for e in logprobs
+    ]
 
 
 def _stuck(state: ItemState) -> Exception:

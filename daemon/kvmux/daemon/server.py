@@ -411,7 +411,9 @@ class Server:
 
     async def _dispatch(self, ident: bytes, caller: Caller, req: p.Request) -> None:
         sched = self.scheduler
-        waits_for_model = p.Submit | p.Cancel | p.Attach | p.Detach | p.Results | p.ListJobs
+        waits_for_model = (
+            p.Submit | p.AddItems | p.Cancel | p.Attach | p.Detach | p.Results | p.ListJobs
+        )
         if sched is None and isinstance(req, waits_for_model):
             raise NotReady(
                 "kvmuxd is still loading its model; retry shortly (`kvmux status --wait` "
@@ -430,6 +432,9 @@ class Server:
                 # Validation tokenizes off the event loop: do not hold up others.
                 assert self._tg is not None
                 self._tg.start_soon(self._submit, ident, caller, req)
+            case p.AddItems():
+                assert self._tg is not None
+                self._tg.start_soon(self._add_items, ident, caller, req)
             case p.Cancel(job_id=job_id):
                 assert sched is not None
                 sched.cancel(job_id, caller=caller)
@@ -446,6 +451,7 @@ class Server:
                         done=job.done,
                         ok=job.ok,
                         failed=job.failed,
+                        format=job.format,
                     ),
                 )
             case p.Results(job_id=job_id, start=start):
@@ -499,6 +505,16 @@ class Server:
             return
         # No await between admission and this reply: it leaves before any event.
         self.send(ident, p.Accepted(id=req.id, job_id=job.job_id, total=len(job.items)))
+
+    async def _add_items(self, ident: bytes, caller: Caller, req: p.AddItems) -> None:
+        try:
+            assert self.scheduler is not None
+            job = await self.scheduler.add_items(ident, req, caller=caller)
+        except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
+            self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op="AddItems")))
+            return
+        # Like Accepted: no await since the items were added, so it precedes their events.
+        self.send(ident, p.Added(id=req.id, job_id=job.job_id, total=len(job.items)))
 
     # -- hostile input ---------------------------------------------------------------
     def _bad_frame(
@@ -605,6 +621,7 @@ class Server:
             for ident in [i for i, t in self._banned.items() if now - t > 60.0]:
                 del self._banned[ident]
             if self.scheduler is not None:
+                self.scheduler.close_abandoned()
                 self.scheduler.prune_retained()
 
     def _forget(self, ident: bytes, why: str, reason: str) -> None:
@@ -618,12 +635,14 @@ class Server:
 
     def _subscribe_logs(self, ident: bytes, caller: Caller, level: str, job_id: str | None) -> None:
         visible: Callable[[dict[str, Any]], bool] | None = None
+        sched = self.scheduler
+        if job_id is not None:
+            if sched is None:
+                raise NotReady("kvmuxd is still loading its model; it has no jobs yet")
+            # not_found for an unknown job (or another owner's): following it would
+            # wait forever for events that never come.
+            sched.find(job_id, caller)
         if not caller.operator:
-            sched = self.scheduler
-            if job_id is not None:
-                if sched is None:
-                    raise NotReady("kvmuxd is still loading its model; it has no jobs yet")
-                sched.find(job_id, caller)  # not_found unless the caller owns it
             # Only events of the caller's own jobs: the rest of the log names
             # other people's jobs, clients and prompts' sizes.
             owner = caller.owner

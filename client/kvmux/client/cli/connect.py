@@ -6,6 +6,13 @@ import asyncio
 import time
 
 from .._client import Client
+from ..endpoint import (
+    client_default_endpoint,
+    ipc_path,
+    normalize_endpoint,
+    socket_revives,
+    stale_socket,
+)
 from ..errors import DaemonUnreachable
 
 OK = 0
@@ -19,6 +26,9 @@ INTERRUPTED = 130
 
 CLIENT_NAME = "kvmux-cli"
 _RETRY_SECONDS = 0.2
+# How long a socket file nobody accepts on may stay so before it is taken as left by
+# a crash: a daemon being restarted binds it again well within this.
+STALE_GRACE = 3.0
 
 
 class CliError(Exception):
@@ -29,14 +39,29 @@ async def open_client(endpoint: str | None, timeout: float, *, wait: float = 0.0
     """A connected client; with ``wait`` > 0, keep trying that many seconds.
 
     Each attempt is bounded by ``timeout``, so an endpoint nobody answers
-    fails within ``max(timeout, wait)`` seconds instead of hanging.
+    fails within ``max(timeout, wait)`` seconds instead of hanging; a socket file
+    left by a daemon that died fails at once (or is retried, with ``wait``).
     """
+    try:
+        endpoint = normalize_endpoint(endpoint or client_default_endpoint())
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    path = ipc_path(endpoint)
     deadline = time.monotonic() + wait
     while True:
         remaining = deadline - time.monotonic()
         attempt = timeout if wait <= 0 else max(min(timeout, round(remaining, 1)), 0.1)
         client = Client(endpoint, timeout=attempt, name=CLIENT_NAME)
         try:
+            if (
+                path is not None
+                and stale_socket(path)
+                and not await socket_revives(path, min(attempt, STALE_GRACE))
+            ):
+                raise client._unreachable(
+                    f"{path} is left from a kvmuxd that is no longer running (nothing has "
+                    f"accepted connections on it for {min(attempt, STALE_GRACE):g} s)"
+                )
             await client.connect()
         except DaemonUnreachable as exc:
             remaining = deadline - time.monotonic()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import contextlib
+import itertools
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -18,12 +20,12 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import protocol as p
-from .._client import Client, Job
-from ..errors import DaemonUnreachable, KvmuxError, NotFound, NotReady
-from .batch import Batch, read_batch
-from .connect import INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
+from .._client import Chunk, Client, Feeder, Job
+from ..errors import BadRequest, DaemonUnreachable, KvmuxError, NotFound, NotReady, ShuttingDown
+from .batch import BatchReader, LineError
+from .connect import COULD_NOT_RUN, INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
 from .progress import Reporter, failure_label, make_reporter
-from .results import ResultWriter, refused_line, result_line
+from .results import ResultSink, done_ids, open_outputs, resolve_format
 
 T = TypeVar("T")
 
@@ -31,49 +33,97 @@ T = TypeVar("T")
 _GOODBYE_SECONDS = 2.0
 
 
-def load_batch(path: str) -> Batch:
-    """Parse a batch file (``-`` = stdin); an unreadable file ends the command."""
+def read_entries(
+    path: str, reader: Callable[[Iterator[bytes]], BatchReader]
+) -> Iterator[p.Item | LineError]:
+    """The lines of a batch file (``-`` = stdin) as items or refusals, in file order, read
+    lazily: a file of any size is never in memory at once. Each item carries its line."""
     try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        stream = sys.stdin.buffer if path == "-" else Path(path).open("rb")  # noqa: SIM115
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
-    batch = read_batch(line.rstrip(b"\r") for line in data.split(b"\n"))
-    if batch.total == 0:
-        raise CliError(f"{path} holds no items (every line is blank)")
-    return batch
+    try:
+        yield from reader(iter(stream))
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+
+
+def _first_item(
+    path: str, reader: Callable[[Iterator[bytes]], BatchReader]
+) -> tuple[list[p.Item | LineError], Iterator[p.Item | LineError]]:
+    """Read up to the first item: what came before it (refusals) and it, and the rest."""
+    entries = read_entries(path, reader)
+    head: list[p.Item | LineError] = []
+    for entry in entries:
+        head.append(entry)
+        if isinstance(entry, p.Item):
+            break
+    return head, entries
 
 
 async def submit(args: argparse.Namespace) -> int:
-    """``kvmux submit FILE``: run a batch, writing results as they finish."""
-    batch = load_batch(args.file)
+    """``kvmux submit FILE``: stream a batch into one job, writing results as they finish."""
+    if args.resume and args.out is None:
+        raise CliError("--resume continues the results in --out FILE: give --out")
+    skip = done_ids(args.out) if args.resume else set()
+    readers: list[BatchReader] = []
+
+    def reader(lines: Iterator[bytes]) -> BatchReader:
+        readers.append(BatchReader(lines, skip))
+        return readers[-1]
+
+    head, rest = _first_item(args.file, reader)
+    skipped = readers[0].skipped if readers else 0
+    if not head and not skipped:
+        raise CliError(f"{args.file} holds no items (every line is blank)")
+    # The first line that decodes decided the shape, so the output's is known now.
+    fmt = resolve_format(args.format, readers[0].openai if readers else None)
     with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
-        writer = _open_writer(args.out, reporter, stack, detached=args.detach)
-        for err in batch.errors:
-            if writer is not None:
-                writer.write(refused_line(err))
-            reporter.note(failure_label(err.custom_id, err.to_info(), line=err.line))
-        if not batch.items:
+        if not head:
+            reporter.note(f"every line of {args.file} has a result in {args.out}: nothing to run")
+            return OK
+        stdout = None if args.out is not None or args.detach else reporter.stdout_writer()
+        outputs = open_outputs(fmt, args.out, args.errors, stdout, resume=args.resume)
+        stack.callback(outputs.close)
+        if not isinstance(head[-1], p.Item):
+            # Nothing to run: say why for each line, and submit no job.
+            for err in head:
+                assert isinstance(err, LineError)
+                if not args.detach:
+                    outputs.sink.refused(err)
+                reporter.note(failure_label(err.custom_id, err.to_info(), line=err.line))
+            outputs.finish()
             reporter.note(f"no line of {args.file} is a valid item: nothing submitted")
-            return ITEMS_FAILED
+            return COULD_NOT_RUN
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
+        outputs.sink.model = _model(conn.client)
+        name = "stdin" if args.file == "-" else Path(args.file).name
         try:
+            # Detached only once every line is in: an interrupted upload is cancelled.
             job = await conn.when_ready(
-                lambda: conn.client.submit(
-                    batch.items, detach=args.detach, name=Path(args.file).name
-                )
+                lambda: conn.client.submit([], more=True, name=name, keep_results=False, format=fmt)
             )
-            if args.detach:
-                print(job.job_id, flush=True)
-                reporter.note(
-                    f"job {job.job_id} runs detached ({len(batch.items)} items); collect it with "
-                    f"`kvmux results {job.job_id}`"
-                )
-                return ITEMS_FAILED if batch.errors else OK
-            reporter.start(job.job_id, batch.total)
-            for _ in batch.errors:
-                reporter.item(ok=False)
+            feed = _Feed(Feeder(itertools.chain(head, rest), conn.client), reporter)
+            reporter.start(job.job_id, 0)
             try:
-                await conn.follow(job, reporter, _need(writer), batch.lines)
+                if args.detach:
+                    job.close()  # its events are not wanted here
+                    job = await conn.follow(job, reporter, None, feed)
+                    await conn.client.detach(job.job_id)
+                    print(job.job_id, flush=True)
+                    reporter.stop()
+                    reporter.note(
+                        f"job {job.job_id} runs detached ({job.total} items); collect it with "
+                        f"`kvmux results {job.job_id}`"
+                    )
+                    return ITEMS_FAILED if feed.refused else OK
+                await conn.follow(job, reporter, outputs.sink, feed)
+                outputs.finish()
+                if readers[0].skipped:
+                    reporter.note(f"--resume: {readers[0].skipped} line(s) had results already")
             except asyncio.CancelledError:
                 _uncancel()
                 with contextlib.suppress(KvmuxError, TimeoutError):
@@ -84,17 +134,48 @@ async def submit(args: argparse.Namespace) -> int:
         return _finish(reporter, args.out)
 
 
+class _Feed:
+    """The lines of a file going into an open job, and what the display learns of them."""
+
+    def __init__(self, feeder: Feeder, reporter: Reporter) -> None:
+        self.feeder = feeder
+        self.reporter = reporter
+        # The input line of each item index, for results that do not carry theirs.
+        self.lines = array.array("q")
+        self.refused = 0
+        self.on_lines: Callable[[], None] = lambda: None
+
+    def added(self, chunk: Chunk, total: int) -> None:
+        missing = total - len(chunk) - len(self.lines)
+        if missing > 0:  # added before a restart by a message this run never saw answered
+            self.lines.extend([0] * missing)
+        self.lines.extend(line or 0 for line in chunk.lines())
+        self.refused += len(chunk.rejected)
+        self.reporter.grow(total)
+        self.on_lines()
+
+    def line_of(self, index: int) -> int | None:
+        return (self.lines[index] or None) if index < len(self.lines) else None
+
+    async def run(self, job: Job) -> None:
+        await self.feeder.run(job, on_wait=self.reporter.waiting, on_added=self.added)
+
+
 async def results(args: argparse.Namespace) -> int:
     """``kvmux results JOB_ID``: re-attach to a job and write all of its results."""
     with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
-        writer = _need(_open_writer(args.out, reporter, stack, detached=False))
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
         try:
-            job = await conn.when_ready(lambda: conn.client.attach(args.job_id))
-            await job.fetch_results()  # what finished before the attach
+            job = await conn.when_ready(lambda: conn.client.attach(args.job_id, keep_results=False))
+            fmt = resolve_format(args.format, job.format == "openai")
+            stdout = None if args.out is not None else reporter.stdout_writer()
+            outputs = open_outputs(fmt, args.out, args.errors, stdout)
+            stack.callback(outputs.close)
+            outputs.sink.model = _model(conn.client)
             reporter.start(job.job_id, job.total)
             try:
-                await conn.follow(job, reporter, writer, None)
+                await conn.follow(job, reporter, outputs.sink, None)
+                outputs.finish()
             except asyncio.CancelledError:
                 _uncancel()
                 # Attaching made this client the job's owner; detach so that
@@ -128,46 +209,93 @@ class _Connection:
                 await asyncio.sleep(0.2)
 
     async def follow(
-        self, job: Job, reporter: Reporter, writer: ResultWriter, line_of: Sequence[int] | None
-    ) -> None:
-        """Collect every result of ``job``; if kvmuxd goes away (a restart, an upgrade, a
-        crash), wait up to --wait-daemon seconds for it, re-attach and go on."""
-        seen: set[int] = set()
+        self, job: Job, reporter: Reporter, writer: ResultSink | None, feed: _Feed | None
+    ) -> Job:
+        """Send ``feed``'s lines into ``job`` (if any) while collecting every result (if
+        ``writer``); if kvmuxd goes away (a restart, an upgrade, a crash), wait up to
+        --wait-daemon seconds for it, re-attach and go on from where it is. Returns the
+        job's handle (a new one after a re-attach)."""
+        seen = bytearray()  # one byte per item index: written already
         wait = self.args.wait_daemon
         while True:
             try:
-                await _collect(job, reporter, writer, line_of, seen)
-                return
-            except (DaemonUnreachable, NotReady) as exc:
+                await _run(job, reporter, writer, feed, seen)
+                return job
+            except (DaemonUnreachable, NotReady, ShuttingDown) as exc:
                 if wait <= 0:
                     reporter.stop()
-                    raise CliError(
-                        f"{exc} Job {job.job_id}: {len(seen)} of {job.total} results written "
-                        "before this."
-                    ) from exc
+                    raise CliError(f"{exc} {_so_far(job, seen)}") from exc
                 why = exc.details.get("reason", exc)
                 reporter.note(
                     f"kvmuxd went away ({why}); waiting up to {wait:g} s for it to come back, "
                     f"then re-attaching to job {job.job_id}"
                 )
+                if isinstance(exc, ShuttingDown):
+                    await asyncio.sleep(0.5)  # it is still up while it drains: do not spin
             with contextlib.suppress(KvmuxError, TimeoutError):
                 await self.client.close()
             try:
                 self.client = await open_client(self.args.endpoint, self.args.timeout, wait=wait)
-                job = await self.when_ready(partial(self.client.attach, job.job_id))
+                job = await self.when_ready(
+                    partial(self.client.attach, job.job_id, keep_results=False)
+                )
             except (DaemonUnreachable, NotReady):
                 raise CliError(
-                    f"kvmuxd did not come back within {wait:g} s (--wait-daemon). Job "
-                    f"{job.job_id}: {len(seen)} of {job.total} results written; collect the rest "
-                    f"with `kvmux results {job.job_id}` once it is back."
+                    f"kvmuxd did not come back within {wait:g} s (--wait-daemon). "
+                    f"{_so_far(job, seen)} Collect the rest with `kvmux results {job.job_id}` "
+                    "once it is back."
                 ) from None
             except NotFound:
                 raise CliError(
                     f"kvmuxd came back without job {job.job_id} (it keeps no journal: "
-                    f'jobs.journal = ""); {len(seen)} of {job.total} results were written.'
+                    f'jobs.journal = ""). {_so_far(job, seen)}'
                 ) from None
-            await job.fetch_results()
+            if writer is None:
+                job.close()
+            if feed is not None:
+                try:
+                    feed.feeder.resume(job.total)
+                except BadRequest as exc:
+                    raise CliError(f"{exc} Job {job.job_id}.") from None
             reporter.note(f"re-attached to job {job.job_id}")
+
+
+def _so_far(job: Job, seen: bytearray) -> str:
+    return f"Job {job.job_id}: {sum(seen)} of {job.total} results written before this."
+
+
+async def _run(
+    job: Job,
+    reporter: Reporter,
+    writer: ResultSink | None,
+    feed: _Feed | None,
+    seen: bytearray,
+) -> None:
+    """Feed and collect at once; the first to fail ends the other."""
+    tasks = []
+    if feed is not None and not feed.feeder.closed:
+        tasks.append(asyncio.create_task(feed.run(job)))
+    if writer is not None:
+        tasks.append(asyncio.create_task(_collect(job, reporter, writer, feed, seen)))
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                exc = task.exception()
+                if exc is not None:
+                    raise exc
+    except (DaemonUnreachable, NotReady, ShuttingDown):
+        raise  # the caller waits for the daemon to come back
+    except KvmuxError as exc:
+        reporter.stop()
+        raise CliError(f"{exc} {_so_far(job, seen)}") from exc
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 async def list_jobs(args: argparse.Namespace) -> int:
@@ -220,63 +348,58 @@ async def cancel(args: argparse.Namespace) -> int:
 async def _collect(
     job: Job,
     reporter: Reporter,
-    writer: ResultWriter,
-    line_of: Sequence[int] | None,
-    seen: set[int],
+    writer: ResultSink,
+    feed: _Feed | None,
+    seen: bytearray,
 ) -> None:
-    """Write every result of ``job`` not in ``seen`` once, as it finishes, and feed the
+    """Write every result of ``job`` not yet ``seen`` once, as it finishes, and feed the
     progress display."""
+    held: dict[int, p.ItemResult] = {}
 
     def record(result: p.ItemResult) -> None:
-        if result.index in seen:
+        index = result.index
+        if index >= len(seen):
+            seen.extend(bytes(index + 1 - len(seen)))
+        if seen[index]:
             return
-        seen.add(result.index)
-        line = line_of[result.index] if line_of is not None else None
-        writer.write(result_line(result, line))
+        line = result.line
+        if line is None and feed is not None:
+            if index >= len(feed.lines):
+                # Its message's answer has not been read yet: it names the line.
+                held[index] = result
+                return
+            line = feed.line_of(index)
+        seen[index] = 1
+        writer.result(result if result.line == line else msgspec.structs.replace(result, line=line))
         label = None
         if result.error is not None:
             label = failure_label(result.custom_id, result.error, line=line, index=result.index)
         reporter.item(result.status == "ok", label)
 
-    # Results that finished before an attach (fetched after it) or were already routed.
-    for index in sorted(job.results_by_index):
-        record(job.results_by_index[index])
-    try:
-        async for event in job.events():
-            match event:
-                case p.TokenDelta(token_ids=ids):
-                    reporter.tokens(len(ids))
-                case p.ItemFinished(result=result):
-                    record(result)
-        if len(seen) < job.total:
-            # The stream dropped an event: the results call re-attaches for the rest.
-            for result in await job.results():
+    def release() -> None:
+        assert feed is not None
+        for index in sorted(i for i in held if i < len(feed.lines)):
+            record(held.pop(index))
+
+    if feed is not None:
+        feed.on_lines = release
+    # Results that finished before an attach (live ones are deduplicated by index).
+    async for result in job.result_pages():
+        record(result)
+    async for event in job.events():
+        match event:
+            case p.TokenDelta(token_ids=ids):
+                reporter.tokens(len(ids))
+            case p.ItemFinished(result=result):
                 record(result)
-    except (DaemonUnreachable, NotReady):
-        raise  # the caller waits for the daemon to come back
-    except KvmuxError as exc:
-        reporter.stop()
-        raise CliError(
-            f"{exc} Job {job.job_id}: {len(seen)} of {job.total} results written before this."
-        ) from exc
+    if sum(seen) < job.total:
+        # The stream dropped an event: the daemon has every result.
+        async for result in job.result_pages():
+            record(result)
 
 
-def _open_writer(
-    out: str | None, reporter: Reporter, stack: contextlib.ExitStack, *, detached: bool
-) -> ResultWriter | None:
-    if out is None:
-        # A detached submit prints only the job id on stdout, for scripts.
-        return None if detached else reporter.stdout_writer()
-    try:
-        stream = stack.enter_context(Path(out).open("w", encoding="utf-8"))  # noqa: SIM115
-    except OSError as exc:
-        raise CliError(f"cannot write {out}: {exc.strerror or exc}") from None
-    return ResultWriter.to_stream(stream)
-
-
-def _need(writer: ResultWriter | None) -> ResultWriter:
-    assert writer is not None, "only a detached submit has no writer"
-    return writer
+def _model(client: Client) -> str:
+    return client.welcome.model if client.welcome is not None else ""
 
 
 def _finish(reporter: Reporter, out: str | None) -> int:

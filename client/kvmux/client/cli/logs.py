@@ -3,7 +3,9 @@
 The daemon streams events live and keeps no history (``journalctl -u kvmuxd``
 or its ``log.file`` has the past). So without ``-f`` the command shows what
 arrives within ``--window`` seconds; with ``-f`` it follows until Ctrl-C.
-With ``--job`` it stops at that job's ``job_finished`` event either way.
+With ``--job`` it stops at that job's end either way (its ``job_finished``
+event, or, when the level hides that, the job listed as done), and a job that
+has already finished is said to be so at once; an unknown job is ``not_found``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ import msgspec
 from rich.console import Console
 from rich.text import Text
 
+from .._client import Client
 from .connect import OK, open_client
+
+# With --job: how often the job's state is checked, for an end the level filter hides.
+_JOB_POLL_SECONDS = 1.0
 
 _LEVEL_STYLES = {
     "debug": "dim",
@@ -50,14 +56,36 @@ async def logs(args: argparse.Namespace) -> int:
             contextlib.aclosing(stream),
             asyncio.timeout(None if args.follow else args.window),
         ):
-            async for record in stream:
-                if console is not None:
-                    console.print(pretty(record), highlight=False)
-                else:
-                    sys.stdout.write(msgspec.json.encode(record).decode() + "\n")
-                    sys.stdout.flush()
-                if args.job and _ends(record, args.job):
-                    break
+
+            async def show() -> None:
+                async for record in stream:
+                    if console is not None:
+                        console.print(pretty(record), highlight=False)
+                    else:
+                        sys.stdout.write(msgspec.json.encode(record).decode() + "\n")
+                        sys.stdout.flush()
+                    if args.job and _ends(record, args.job):
+                        return
+
+            if args.job:
+                # Subscribed first, then checked: an end in between is not missed.
+                ended = await _job_end(client, args.job)
+                if ended is None:
+                    shown = asyncio.ensure_future(show())
+                    watched = asyncio.ensure_future(_watch(client, args.job))
+                    try:
+                        await asyncio.wait({shown, watched}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        shown.cancel()
+                        watched.cancel()
+                        for pending in (shown, watched):
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await pending
+                    ended = watched.result() if watched.done() and not watched.cancelled() else None
+                if ended is not None:
+                    print(f"kvmux: {ended}", file=sys.stderr, flush=True)
+            else:
+                await show()
     except TimeoutError:
         pass  # the window is over
     except asyncio.CancelledError:
@@ -68,6 +96,25 @@ async def logs(args: argparse.Namespace) -> int:
     finally:
         await client.close()
     return OK
+
+
+async def _job_end(client: Client, job_id: str) -> str | None:
+    """What to say if the job has finished (None while it runs)."""
+    for info in await client.jobs():
+        if info.job_id == job_id and info.state == "done":
+            return (
+                f"job {job_id} has finished ({info.ok} ok, {info.failed} failed): "
+                "nothing more will be logged for it"
+            )
+    return None
+
+
+async def _watch(client: Client, job_id: str) -> str | None:
+    while True:
+        await asyncio.sleep(_JOB_POLL_SECONDS)
+        ended = await _job_end(client, job_id)
+        if ended is not None:
+            return ended
 
 
 def _ends(record: dict[str, Any], job_id: str) -> bool:

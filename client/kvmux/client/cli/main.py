@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NoReturn
 
+from .. import __version__
 from ..endpoint import ENDPOINT_ENV
 from ..errors import KvmuxError
 from . import generate, jobs, logs, status
@@ -31,9 +32,10 @@ else the one a hand-started kvmuxd uses).
 
 _EPILOG = """\
 examples:
-  kvmuxd --config configs/local.toml &      # start a daemon for this user
+  kvmuxd --config configs/local.toml >kvmuxd.log 2>&1 &   # a daemon for this user
   kvmux status --wait 120                   # wait until it answers
   kvmux submit examples/prompts.jsonl --out results.jsonl
+  kvmux submit examples/openai-chat.jsonl --out out.jsonl   # OpenAI batch output
   kvmux generate "Once upon a time" --max-tokens 40
   kvmux logs -f
 
@@ -54,8 +56,8 @@ def _common() -> _Parser:
     common.add_argument(
         "--endpoint",
         metavar="URL",
-        help=f"kvmuxd's ZeroMQ endpoint (ipc://PATH or tcp://HOST:PORT); default ${ENDPOINT_ENV}, "
-        "else the default socket",
+        help="kvmuxd's ZeroMQ endpoint (ipc://PATH or tcp://HOST:PORT; a bare /PATH or "
+        f"HOST:PORT is taken as one); default ${ENDPOINT_ENV}, else the default socket",
     )
     common.add_argument(
         "--timeout",
@@ -71,12 +73,27 @@ def _quiet(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output on stderr")
 
 
-def _out(parser: argparse.ArgumentParser) -> None:
+def _out(parser: argparse.ArgumentParser, *, auto: str) -> None:
     parser.add_argument(
         "-o",
         "--out",
         metavar="FILE",
-        help="write results (JSONL) to FILE instead of stdout",
+        help="write results (JSONL) to FILE instead of stdout. FILE is not touched before "
+        "the first result: if it exists, results go to FILE.partial beside it, renamed over "
+        "FILE when the job completes (an interrupted run leaves FILE as it was and "
+        "FILE.partial with the results so far: --resume continues it)",
+    )
+    parser.add_argument(
+        "--errors",
+        metavar="FILE",
+        help="write failed lines to FILE instead of --out (as the Batch API's error file)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=["auto", "kvmux", "openai"],
+        default="auto",
+        help="result lines in kvmux's shape or OpenAI's batch output shape "
+        f"(default: auto, {auto})",
     )
 
 
@@ -98,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = [_common()]
 
@@ -119,20 +137,31 @@ def build_parser() -> argparse.ArgumentParser:
         "submit",
         jobs.submit,
         "Run a batch of prompts from a JSONL file and collect one result per line.",
-        'Each line is a kvmux item ({"custom_id", "prompt" | "prompt_tokens", "max_tokens",\n'
-        '"temperature", "top_p", "top_k", "seed", "stop", "max_context"}) or an OpenAI\n'
-        'batch line ({"custom_id", "method": "POST", "url": "/v1/completions", "body": {...}}).\n'
+        'Each line is a kvmux item ({"custom_id", "prompt" | "prompt_tokens" | "messages",\n'
+        '"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", ...}) or an\n'
+        'OpenAI batch line ({"custom_id", "method": "POST", "url": "/v1/chat/completions"\n'
+        'or "/v1/completions", "body": {...}}), as vllm run-batch and the Batch API take them.\n'
         "A line that does not parse gets its own error result; the rest of the job runs.\n"
-        'Results are JSON lines written as items finish (sort by "line" for input order);\n'
-        "progress goes to stderr. With --detach the job keeps running after kvmux exits and\n"
-        "its id is printed; collect it later with `kvmux results JOB_ID`.\n"
-        "Exit status: 0 all ok, 2 some lines failed, 1 the job could not run.",
+        'Results are JSON lines written as items finish (sort by "line" for input order),\n'
+        "in OpenAI's batch output shape when the file is OpenAI's (--format); progress goes\n"
+        "to stderr. With --detach the job keeps running after kvmux exits and its id is\n"
+        "printed; collect it later with `kvmux results JOB_ID`.\n"
+        "Exit status: 0 all ok, 2 some lines failed, 1 the job could not run (or no line\n"
+        "of the file parsed).",
         "  kvmux submit examples/prompts.jsonl --out results.jsonl\n"
+        "  kvmux submit examples/openai-chat.jsonl --out out.jsonl --errors errors.jsonl\n"
+        "  kvmux submit big.jsonl --out results.jsonl --resume   # after an interrupted run\n"
         "  kvmux submit batch.jsonl | jq -r 'select(.status == \"ok\") | .text'\n"
         '  JOB=$(kvmux submit --detach batch.jsonl) && kvmux results "$JOB" --out results.jsonl',
     )
     p.add_argument("file", metavar="FILE.jsonl", help="the batch file; - reads stdin")
-    _out(p)
+    _out(p, auto="OpenAI's when the file's lines are OpenAI batch lines")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the lines whose custom_id already has an ok result in --out (or "
+        "--out's .partial) and append the new results to it; failed lines run again",
+    )
     _wait_daemon(p)
     p.add_argument(
         "--detach",
@@ -146,13 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         jobs.results,
         "Re-attach to a job and write all of its results (waiting for the rest).",
         "Results that finished already come at once, the rest as they finish; a client\n"
-        'still watching the job keeps its events too. Each line\'s "line" is null here:\n'
-        'the daemon knows items by "index" and "custom_id", not by input line.\n'
+        "still watching the job keeps its events too, and the lines its file refused come\n"
+        "back as error results. The format is the submitted file's unless --format says.\n"
         "Exit status: 0 all ok, 2 some items failed, 1 no such job or no daemon.",
         "  kvmux results 3f9c2a1b7d4e --out results.jsonl",
     )
     p.add_argument("job_id", metavar="JOB_ID")
-    _out(p)
+    _out(p, auto="the shape of the file the job was submitted from")
     _wait_daemon(p)
     _quiet(p)
 

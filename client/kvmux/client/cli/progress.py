@@ -42,6 +42,7 @@ class Tally:
     failed: int = 0
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
+    waiting: float = 0.0  # seconds the current message has waited for queue room
 
     @property
     def elapsed(self) -> float:
@@ -56,7 +57,7 @@ class Tally:
         return (
             f"{self.done}/{self.total} items, {self.failed} failed, "
             f"{self.tokens_per_second:,.0f} tok/s, {self.elapsed:.1f} s"
-        )
+        ) + (f", waiting for queue room {self.waiting:.0f}s" if self.waiting else "")
 
 
 def failure_label(
@@ -100,6 +101,19 @@ class Reporter:
         self.tally.tokens += n
         self._tick()
 
+    def grow(self, total: int) -> None:
+        """More lines went into the job (a file is read as it is sent): ``total`` now."""
+        self.tally.total = total
+        self._tick()
+
+    def waiting(self, seconds: float) -> None:
+        """The daemon's queue is full: the next lines have waited ``seconds`` (0: went in)."""
+        was = self.tally.waiting
+        self.tally.waiting = seconds
+        if seconds and not was:
+            self.note(f"job {self.job_id}: kvmuxd's queue is full; waiting for room")
+        self._tick()
+
     def item(self, ok: bool, label: str | None = None) -> None:
         """One result arrived; ``label`` says what failed, for a failure."""
         self.tally.done += 1
@@ -136,6 +150,14 @@ class _TokensPerSecond(ProgressColumn):
         return Text(f"{rate:,.0f} tok/s", style="progress.data.speed")
 
 
+class _Waiting(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        waited = float(task.fields.get("waiting", 0.0))
+        if not waited:
+            return Text("")
+        return Text(f"waiting for queue room {waited:.0f}s", style="yellow")
+
+
 class _Failures(ProgressColumn):
     def render(self, task: Task) -> Text:
         failed = int(task.fields.get("failed", 0))
@@ -157,6 +179,7 @@ class TerminalReporter(Reporter):
             _Failures(),
             _TokensPerSecond(),
             TimeElapsedColumn(),
+            _Waiting(),
             console=console,
             # Results may go to a file or pipe while the bar is on the
             # terminal: rich must not reroute stdout into the bar's stream.
@@ -169,8 +192,15 @@ class TerminalReporter(Reporter):
         self.job_id = job_id
         self.tally.total = total
         self.tally.started = time.monotonic()
-        self._task = self._progress.add_task("", total=total, job=job_id, failed=0, tokens=0)
+        self._task = self._progress.add_task(
+            "", total=total, job=job_id, failed=0, tokens=0, waiting=0.0
+        )
         self._progress.start()
+
+    def waiting(self, seconds: float) -> None:
+        # The bar itself says so: no note line per wait.
+        self.tally.waiting = seconds
+        self._tick()
 
     def note(self, message: str) -> None:
         self._progress.console.print(Text(f"kvmux: {message}"), soft_wrap=True)
@@ -199,9 +229,11 @@ class TerminalReporter(Reporter):
         if self._task is not None:
             self._progress.update(
                 self._task,
+                total=self.tally.total,
                 completed=self.tally.done,
                 failed=self.tally.failed,
                 tokens=self.tally.tokens,
+                waiting=self.tally.waiting,
             )
 
 

@@ -3,8 +3,15 @@
 from .engine import Admission, Engine, EngineOptions
 from .errors import BadPrompt, EngineError, RunFailed, RuntimeUnavailable
 from .runtime import create_session, import_onnxruntime
-from .sampling import ResolvedSampling, Sampler, SamplingParams, resolve_sampling
-from .session import Completion, DecodeSession, StepOutput
+from .sampling import (
+    ResolvedSampling,
+    Sampler,
+    SamplingParams,
+    StepLogprobs,
+    resolve_sampling,
+    step_logprobs,
+)
+from .session import Completion, DecodeSession, StepOutput, TokenLogprobs
 from .text import TextStream
 
 __all__ = [
@@ -20,9 +27,12 @@ __all__ = [
     "RuntimeUnavailable",
     "Sampler",
     "SamplingParams",
+    "StepLogprobs",
     "StepOutput",
     "TextStream",
+    "TokenLogprobs",
     "create_session",
     "import_onnxruntime",
     "resolve_sampling",
+    "step_logprobs",
 ]

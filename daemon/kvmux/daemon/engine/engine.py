@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,16 @@ from kvmux.kv import (
     resolve_min_bucket,
 )
 
-from ..model import ModelFormatError, ModelSpec, Tokenizer, check_session_io, load_model
+from ..model import (
+    ChatTemplate,
+    ChatTemplateError,
+    ModelFormatError,
+    ModelSpec,
+    Tokenizer,
+    check_session_io,
+    load_chat_template,
+    load_model,
+)
 from .batching import plan, run_isolated
 from .errors import BadPrompt, RunFailed
 from .runner import ModelRunner, RowInput
@@ -67,6 +76,8 @@ class EngineOptions:
     rows_per_cohort: int = 64
     #: The most rows of one run; 1 decodes every session in a run of its own.
     max_batch: int = 64
+    #: A chat template file that overrides the model's own (config model.chat_template).
+    chat_template: Path | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -99,6 +110,10 @@ class Engine:
         self.spec: ModelSpec = load_model(Path(model_dir))
         self.tokenizer = Tokenizer.from_folder(
             self.spec.folder, bos_token_id=self.spec.bos_token_id
+        )
+        # Compiled once here; rendered per request on the thread that tokenizes.
+        self.chat_template: ChatTemplate | None = load_chat_template(
+            self.spec.folder, self.options.chat_template
         )
         self.ort: OrtSession = create_session(
             self.spec.model_path,
@@ -204,6 +219,25 @@ class Engine:
             raise BadPrompt("prompt is empty")
         return ids
 
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text of a chat, rendered with the model's template.
+
+        The text is tokenized like any text prompt, with no special tokens added:
+        the template writes the ones the model wants (transformers tokenizes a
+        rendered chat with ``add_special_tokens=False`` too)."""
+        if self.chat_template is None:
+            raise BadPrompt(
+                f"the model {self.spec.folder.name!r} has no chat template (no "
+                "chat_template.jinja beside its tokenizer, no chat_template in its "
+                'tokenizer_config.json): set model.chat_template = "FILE" in kvmuxd.toml '
+                "to a Jinja chat template, or send `prompt` text instead of `messages`",
+                {"fix": 'model.chat_template = "FILE"'},
+            )
+        try:
+            return self.chat_template.render(messages)
+        except ChatTemplateError as exc:
+            raise BadPrompt(str(exc), {"chat_template": self.chat_template.origin}) from exc
+
     def new_cache(self, hard_max: HardMax) -> KvCache:
         if self.on_cuda:
             return CudaKvCache(
@@ -230,7 +264,15 @@ class Engine:
         if max_context is not None and max_context <= 0:
             raise BadPrompt(f"max_context must be positive, got {max_context}")
         ids = self.encode(prompt)
-        sampling = resolve_sampling(params or SamplingParams(), self.spec.search)
+        params = params or SamplingParams()
+        vocab = self.spec.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise BadPrompt(
+                f"stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}",
+                {"bad_token_ids": bad[:8], "vocab_size": vocab},
+            )
+        sampling = resolve_sampling(params, self.spec.search)
         hard_max = self.hard_max_for(max_context)
         self.refuse_over_hard_max(hard_max, len(ids))
         return Admission(ids, sampling, hard_max)

@@ -1,8 +1,18 @@
-"""Sampling parameters and the per-item sampler: greedy, temperature, top-k, top-p, seed."""
+"""Sampling parameters and the per-item sampler.
+
+Greedy, temperature, top-k, top-p, min-p and a seed, plus vLLM's penalties,
+``min_tokens`` and raw logprobs, in vLLM's order: logprobs are taken from the
+model's raw logits; then EOS and stop token ids are masked while fewer than
+``min_new_tokens`` tokens exist; then the penalties apply (so greedy decoding
+with penalties is the argmax of the penalized logits); then temperature, min-p,
+top-k and top-p shape the distribution a token is drawn from. Parameters at
+their neutral value add no work to a step.
+"""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +35,14 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_new_tokens: int = 0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         problems = []
@@ -40,6 +58,29 @@ class SamplingParams:
             problems.append(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
             problems.append("stop strings must not be empty")
+        if self.min_new_tokens < 0:
+            problems.append(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            problems.append(
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= 100.0:
+            problems.append(
+                f"repetition_penalty must be in (0, 100] (1: off), got {self.repetition_penalty}"
+            )
+        for name, value in (
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ):
+            if value is not None and not -2.0 <= value <= 2.0:
+                problems.append(f"{name} must be in [-2, 2] (0: off), got {value}")
+        if any(t < 0 for t in self.stop_token_ids):
+            problems.append("stop_token_ids must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            problems.append(f"logprobs must be in [0, 20], got {self.logprobs}")
         if problems:
             raise BadPrompt("; ".join(problems), {"problems": problems})
 
@@ -56,6 +97,22 @@ class ResolvedSampling:
     max_new_tokens: int
     stop: tuple[str, ...]
     ignore_eos: bool
+    min_new_tokens: int = 0
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None  # None: none; k: the chosen token's and the top k
+    skip_special_tokens: bool = True
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 MIN_TEMPERATURE = 1e-5
@@ -80,6 +137,14 @@ def resolve_sampling(params: SamplingParams, search: SearchDefaults) -> Resolved
     top_k = search.top_k if params.top_k is None else params.top_k
     top_p = search.top_p if params.top_p is None else params.top_p
     max_new = params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if params.min_new_tokens > max_new:
+        raise BadPrompt(
+            f"min_new_tokens ({params.min_new_tokens}) must be <= max_new_tokens ({max_new})",
+            {"min_new_tokens": params.min_new_tokens, "max_new_tokens": max_new},
+        )
+    repetition = params.repetition_penalty
+    if repetition is None:
+        repetition = search.repetition_penalty if search.repetition_penalty > 0.0 else 1.0
     seed = params.seed
     if seed is None:
         seed = search.random_seed if search.random_seed >= 0 else secrets.randbits(63)
@@ -92,17 +157,112 @@ def resolve_sampling(params: SamplingParams, search: SearchDefaults) -> Resolved
         max_new_tokens=max_new,
         stop=params.stop,
         ignore_eos=params.ignore_eos,
+        min_new_tokens=params.min_new_tokens,
+        min_p=params.min_p or 0.0,
+        repetition_penalty=repetition,
+        presence_penalty=params.presence_penalty or 0.0,
+        frequency_penalty=params.frequency_penalty or 0.0,
+        stop_token_ids=frozenset(params.stop_token_ids),
+        logprobs=params.logprobs,
+        skip_special_tokens=params.skip_special_tokens,
     )
 
 
-class Sampler:
-    """Draws tokens for one item; its own seeded generator makes it reproducible."""
+@dataclass(frozen=True, slots=True)
+class StepLogprobs:
+    """The chosen token of one step with its raw log-probability, and the ``k`` most
+    likely tokens (id, log-probability), most likely first."""
 
-    def __init__(self, cfg: ResolvedSampling) -> None:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def step_logprobs(logits: npt.NDArray[np.floating], token: int, k: int) -> StepLogprobs:
+    """Log-softmax of the model's raw logits (vLLM's default "raw logprobs")."""
+    x = logits.astype(np.float64)
+    x = x - np.max(x)
+    lp = x - np.log(np.sum(np.exp(x)))
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        k = min(k, lp.shape[0])
+        part = np.argpartition(-lp, k - 1)[:k]
+        # Most likely first; equal ones by id, so the order is reproducible.
+        order = part[np.lexsort((part, -lp[part]))]
+        top = tuple((int(i), float(lp[i])) for i in order)
+    return StepLogprobs(int(token), float(lp[token]), top)
+
+
+class Sampler:
+    """Draws tokens for one item; its own seeded generator makes it reproducible.
+
+    It sees every token it draws, so it keeps the counts the penalties need
+    (only when a penalty is set): ``_seen`` marks prompt and output tokens
+    (repetition), ``_counts`` counts output tokens (presence, frequency).
+    """
+
+    def __init__(
+        self,
+        cfg: ResolvedSampling,
+        prompt_ids: Sequence[int] = (),
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self.cfg = cfg
         self._rng = np.random.default_rng(cfg.seed)
+        self._drawn = 0
+        self._prompt_ids = prompt_ids
+        self._counts: npt.NDArray[np.int64] | None = None
+        self._seen: npt.NDArray[np.bool_] | None = None
+        ends = set(cfg.stop_token_ids)
+        if not cfg.ignore_eos:
+            ends.update(eos_token_ids)
+        self._ends = np.array(sorted(ends), dtype=np.int64) if cfg.min_new_tokens else None
+        self._penalized = cfg.penalized
+        # Nothing to track: a draw is exactly what it was before these parameters existed.
+        self._plain = not self._penalized and self._ends is None
 
     def __call__(self, logits: npt.NDArray[np.floating]) -> int:
+        if self._plain:
+            return self._draw(logits)
+        token = self._draw(self._shaped(logits))
+        self._drawn += 1
+        if self._penalized:
+            assert self._counts is not None and self._seen is not None
+            self._counts[token] += 1
+            self._seen[token] = True
+        return token
+
+    def _shaped(self, logits: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
+        """The logits after min_tokens and the penalties (the raw ones when neither is set)."""
+        x = logits
+        if self._ends is not None and self._drawn < self.cfg.min_new_tokens:
+            x = x.astype(np.float64)
+            x[self._ends[self._ends < x.shape[0]]] = -np.inf
+        if self._penalized:
+            x = self._penalize(x)
+        return x
+
+    def _penalize(self, logits: npt.NDArray[np.floating]) -> npt.NDArray[np.float64]:
+        """vLLM's ``apply_penalties``: repetition over prompt and output tokens (positive
+        logits divided, negative multiplied), then frequency and presence over output."""
+        cfg = self.cfg
+        n = logits.shape[0]
+        if self._counts is None or self._seen is None:
+            self._counts = np.zeros(n, dtype=np.int64)
+            self._seen = np.zeros(n, dtype=np.bool_)
+            ids = np.asarray(self._prompt_ids, dtype=np.int64)
+            self._seen[ids[(ids >= 0) & (ids < n)]] = True
+        x = logits.astype(np.float64)
+        if cfg.repetition_penalty != 1.0:
+            r = np.where(self._seen, cfg.repetition_penalty, 1.0)
+            x = np.where(x > 0, x / r, x * r)
+        if cfg.frequency_penalty != 0.0:
+            x -= cfg.frequency_penalty * self._counts
+        if cfg.presence_penalty != 0.0:
+            x -= cfg.presence_penalty * (self._counts > 0)
+        return x
+
+    def _draw(self, logits: npt.NDArray[np.floating]) -> int:
         if self.cfg.greedy:
             return int(np.argmax(logits))
         x = logits.astype(np.float64) / self.cfg.temperature
@@ -113,6 +273,11 @@ class Sampler:
         x = x - np.max(x)
         probs = np.exp(x)
         probs /= probs.sum()
+        if self.cfg.min_p > 0.0:
+            # Relative to the top probability, which top-k never removes: the
+            # same tokens survive as with vLLM's min-p before its top-k.
+            probs = np.where(probs < self.cfg.min_p * probs.max(), 0.0, probs)
+            probs /= probs.sum()
         if self.cfg.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")
             cum = np.cumsum(probs[order])

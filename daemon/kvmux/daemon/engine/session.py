@@ -9,7 +9,7 @@ import numpy as np
 
 from kvmux.kv import GrowthResult, HardMax, KvCache, ensure_capacity
 
-from .sampling import ResolvedSampling, Sampler
+from .sampling import ResolvedSampling, Sampler, StepLogprobs, step_logprobs
 from .text import TextStream
 
 if TYPE_CHECKING:
@@ -27,8 +27,18 @@ class StepOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's raw log-probability and its top alternatives, with their text."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
-    """A finished session's result."""
+    """A finished session's result; ``logprobs`` (one per token id) when the item asked."""
 
     text: str
     token_ids: list[int]
@@ -36,6 +46,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     seed: int
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class DecodeSession:
@@ -62,12 +73,16 @@ class DecodeSession:
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.cache = cache
-        self.sampler = Sampler(sampling)
-        self.stream = TextStream(engine.tokenizer.incremental_decoder(), sampling.stop)
+        self._eos = engine.spec.eos_token_ids
+        self.sampler = Sampler(sampling, prompt_ids, self._eos)
+        decoder = engine.tokenizer.incremental_decoder(
+            skip_special_tokens=sampling.skip_special_tokens
+        )
+        self.stream = TextStream(decoder, sampling.stop)
         self.generated: list[int] = []
+        self.logprobs: list[StepLogprobs] | None = [] if sampling.logprobs is not None else None
         self.finished = False
         self.finish_reason: str | None = None
-        self._eos = engine.spec.eos_token_ids
         self._chunk = engine.options.prefill_chunk
         self._prompt_pos = 0
         self._pending: int | None = None
@@ -130,7 +145,11 @@ class DecodeSession:
             self._prompt_pos += n
             if self.prefilling:
                 return StepOutput()
-        return self._accept(self.sampler(logits))
+        token = self.sampler(logits)
+        entry = None
+        if self.sampling.logprobs is not None:
+            entry = step_logprobs(logits, token, self.sampling.logprobs)
+        return self._accept(token, entry)
 
     def stop_at_length(self) -> StepOutput | None:
         """Finish with "length" when the context is full (as vLLM does at max_model_len).
@@ -150,10 +169,15 @@ class DecodeSession:
             raise out
         return out
 
-    def _accept(self, token: int) -> StepOutput:
-        if token in self._eos and not self.sampling.ignore_eos:
+    def _accept(self, token: int, logprobs: StepLogprobs | None = None) -> StepOutput:
+        # A stop token id ends the item like EOS: neither is part of its tokens or text.
+        if (token in self._eos and not self.sampling.ignore_eos) or (
+            token in self.sampling.stop_token_ids
+        ):
             return self._finish("stop")
         self.generated.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
         text = self.stream.push(token)
         if self.stream.stopped:
             return self._finish("stop", [token], text)
@@ -177,7 +201,22 @@ class DecodeSession:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.generated),
             seed=self.sampling.seed,
+            logprobs=self._texted_logprobs(),
         )
+
+    def _texted_logprobs(self) -> list[TokenLogprobs] | None:
+        if self.logprobs is None:
+            return None
+        text = self.engine.tokenizer.token_text
+        return [
+            TokenLogprobs(
+                e.token_id,
+                text(e.token_id),
+                e.logprob,
+                tuple((i, text(i), lp) for i, lp in e.top),
+            )
+            for e in self.logprobs
+        ]
 
     def release(self) -> None:
         """Give the KV buffers back (to the budget and the allocator)."""

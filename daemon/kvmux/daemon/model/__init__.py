@@ -7,6 +7,7 @@ the session and hands its IO to ``check_session_io``.
 
 from kvmux.daemon.model.builder import BUILTIN_SIZES, build_builtin, ensure_builtin
 from kvmux.daemon.model.cache import MODEL_CACHE_ENV, default_model_cache, resolve_model
+from kvmux.daemon.model.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from kvmux.daemon.model.config import (
     IOInfo,
     ModelSpec,
@@ -20,6 +21,8 @@ from kvmux.daemon.model.tokenizer import IncrementalDecoder, Tokenizer
 __all__ = [
     "BUILTIN_SIZES",
     "MODEL_CACHE_ENV",
+    "ChatTemplate",
+    "ChatTemplateError",
     "IOInfo",
     "IncrementalDecoder",
     "ModelFormatError",
@@ -30,6 +33,7 @@ __all__ = [
     "check_session_io",
     "default_model_cache",
     "ensure_builtin",
+    "load_chat_template",
     "load_model",
     "resolve_model",
 ]

@@ -8,7 +8,9 @@ model, so kvmux loads it through exactly the path a real exported model takes:
   bound as both ``past_key_values.{i}.*`` and ``present.{i}.*``;
 - ``genai_config.json``: the keys genai's builder writes;
 - ``tokenizer.json`` (+ ``tokenizer_config.json``): a byte-level tokenizer, so any
-  UTF-8 text round-trips.
+  UTF-8 text round-trips;
+- ``chat_template.jinja``: a small ChatML-like template (``<|role|>`` lines, then
+  ``<|assistant|>``), so chat requests work on the built-ins as on exported models.
 
 Weights come from a fixed-seed NumPy generator: building twice gives byte-identical
 files. Weight scales are picked so logits are far from uniform and depend on the
@@ -42,7 +44,7 @@ __all__ = [
 ]
 
 #: Bump when the builder's output changes, so cached folders are rebuilt.
-BUILDER_VERSION: Final = 1
+BUILDER_VERSION: Final = 2
 
 BOS_TOKEN: Final = "<s>"
 EOS_TOKEN: Final = "</s>"
@@ -53,6 +55,21 @@ MODEL_FILENAME: Final = "model.onnx"
 CONFIG_FILENAME: Final = "genai_config.json"
 TOKENIZER_FILENAME: Final = "tokenizer.json"
 TOKENIZER_CONFIG_FILENAME: Final = "tokenizer_config.json"
+CHAT_TEMPLATE_FILENAME: Final = "chat_template.jinja"
+
+# The role markers are plain text to the byte-level tokenizer (no added tokens),
+# so the vocabulary, and with it every weight, stays what it was.
+CHAT_TEMPLATE: Final = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'developer', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role ' ~ message['role'] ~ "
+    "': expected system, developer, user, assistant or tool') }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 OPSET: Final = 21
 IR_VERSION: Final = 10
@@ -489,6 +506,7 @@ def build_builtin(size: str, out_dir: Path, *, dtype: str = "float32") -> Path:
     vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
     tok.save(str(out_dir / TOKENIZER_FILENAME), pretty=True)
     _write_json(out_dir / TOKENIZER_CONFIG_FILENAME, _tokenizer_config(spec))
+    (out_dir / CHAT_TEMPLATE_FILENAME).write_text(CHAT_TEMPLATE + "\n", encoding="utf-8")
 
     model = _build_graph(spec, vocab_size, dtype)
     (out_dir / MODEL_FILENAME).write_bytes(model.SerializeToString(deterministic=True))

@@ -70,6 +70,7 @@ class Tokenizer:
         self._special_ids: frozenset[int] = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_folder(cls, folder: Path, *, bos_token_id: int | None = None) -> Tokenizer:
@@ -124,23 +125,33 @@ class Tokenizer:
         exact = self.byte_level and self._tok.normalizer is None
         return longest if exact else 4 * longest
 
-    def token_bytes(self, token_id: int) -> bytes | None:
-        """The raw bytes of one token of a byte-level tokenizer (None: not byte-level)."""
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own, special tokens included (what logprobs show);
+        a piece of a multi-byte character shows as U+FFFD, as in vLLM's logprobs."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def token_bytes(self, token_id: int, *, skip_special: bool = True) -> bytes | None:
+        """The raw bytes of one token of a byte-level tokenizer (None: not byte-level);
+        a special token is empty unless ``skip_special`` is False (then its content)."""
         if not self.byte_level:
             return None
-        if token_id in self._special_ids:
-            return b""
         piece = self._tok.id_to_token(token_id)
         if piece is None:
             raise ValueError(f"token id {token_id} is outside the vocabulary ({self.vocab_size})")
+        if token_id in self._special_ids:
+            return b"" if skip_special else str(piece).encode("utf-8")
         try:
             return bytes(_CHAR_TO_BYTE[c] for c in piece)
         except KeyError:
             # A non-special added token with ordinary text content.
             return str(piece).encode("utf-8")
 
-    def incremental_decoder(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self)
+    def incremental_decoder(self, *, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDecoder:
@@ -150,12 +161,13 @@ class IncrementalDecoder:
     are split across tokens is held back until complete, so an incomplete trailing
     sequence never shows as U+FFFD; ``flush()`` returns what is left, with U+FFFD
     only for bytes that never formed a valid character. Special tokens produce no
-    text. Concatenating every ``push`` and the ``flush`` equals ``Tokenizer.decode``
-    of all ids.
+    text unless ``skip_special_tokens`` is False. Concatenating every ``push`` and
+    the ``flush`` equals ``Tokenizer.decode`` of all ids (with the same flag).
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # Fallback for tokenizers that are not byte-level: decode a sliding window
         # and emit the growth once it no longer ends in a partial character.
@@ -164,17 +176,20 @@ class IncrementalDecoder:
         self._read = 0
 
     def push(self, token_id: int) -> str:
-        data = self._tok.token_bytes(token_id)
+        data = self._tok.token_bytes(token_id, skip_special=self._skip)
         if data is not None:
             return str(self._utf8.decode(data))
         self._ids.append(token_id)
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
         if len(after) > len(before) and not after.endswith(_REPLACEMENT):
             self._prefix = self._read
             self._read = len(self._ids)
             return after[len(before) :]
         return ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def push_many(self, token_ids: Iterable[int]) -> str:
         return "".join(self.push(t) for t in token_ids)
@@ -183,8 +198,8 @@ class IncrementalDecoder:
         """Text still held back (an incomplete sequence becomes U+FFFD); resets the state."""
         if self._tok.byte_level:
             return str(self._utf8.decode(b"", final=True))
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
         self._ids.clear()
         self._prefix = self._read = 0
         return after[len(before) :]
