@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 
 from kvmux.daemon.engine import BadPrompt, Engine, EngineOptions
-from kvmux.daemon.model import ChatTemplateError, ModelFormatError, load_chat_template
+from kvmux.daemon.model import (
+    ChatTemplateError,
+    ModelFormatError,
+    load_chat_template,
+    load_model,
+)
 from kvmux.daemon.model.chat import find_chat_template, special_token_strings
 
 # Chat templates as real models ship them in tokenizer_config.json.
@@ -232,3 +237,11 @@ def test_a_model_without_a_template_names_the_fix(tmp_path: Path, tiny_model: Pa
     assert engine.chat_template is None
     with pytest.raises(BadPrompt, match=re.escape('model.chat_template = "FILE"')):
         engine.render_chat([{"role": "user", "content": "x"}])
+
+
+def test_model_info_names_the_template(tmp_path: Path, tiny_model: Path) -> None:
+    assert "chat template:     " + str(tiny_model / "chat_template.jinja") in (
+        load_model(tiny_model).describe()
+    )
+    bare = load_model(model_folder(tmp_path, tiny_model, None))
+    assert bare.chat_template is None and "model.chat_template" in bare.describe()
