@@ -204,6 +204,23 @@ def test_the_sandbox_refuses_internals(tmp_path: Path, tiny_model: Path, templat
         ours.render([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.parametrize(
+    ("template", "needle"),
+    [
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+        ("{{ messages[0]['content'] + 1 }}", "TypeError"),
+        ("{{ messages[5]['content'] }}", "no element 5"),
+    ],
+)
+def test_a_template_that_fails_on_its_input_is_a_chat_error(
+    tmp_path: Path, tiny_model: Path, template: str, needle: str
+) -> None:
+    ours = load_chat_template(model_folder(tmp_path, tiny_model, template))
+    assert ours is not None
+    with pytest.raises(ChatTemplateError, match=needle):
+        ours.render([{"role": "user", "content": "x"}])
+
+
 def test_internals_a_template_cannot_reach_render_as_nothing(
     tmp_path: Path, tiny_model: Path
 ) -> None:
