@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 
 from kvmux.daemon.engine import BadPrompt, Engine, EngineOptions
-from kvmux.daemon.model import ChatTemplateError, ModelFormatError, load_chat_template
+from kvmux.daemon.model import (
+    ChatTemplateError,
+    ModelFormatError,
+    load_chat_template,
+    load_model,
+)
 from kvmux.daemon.model.chat import find_chat_template, special_token_strings
 
 # Chat templates as real models ship them in tokenizer_config.json.
@@ -199,6 +204,23 @@ def test_the_sandbox_refuses_internals(tmp_path: Path, tiny_model: Path, templat
         ours.render([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.parametrize(
+    ("template", "needle"),
+    [
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+        ("{{ messages[0]['content'] + 1 }}", "TypeError"),
+        ("{{ messages[5]['content'] }}", "no element 5"),
+    ],
+)
+def test_a_template_that_fails_on_its_input_is_a_chat_error(
+    tmp_path: Path, tiny_model: Path, template: str, needle: str
+) -> None:
+    ours = load_chat_template(model_folder(tmp_path, tiny_model, template))
+    assert ours is not None
+    with pytest.raises(ChatTemplateError, match=needle):
+        ours.render([{"role": "user", "content": "x"}])
+
+
 def test_internals_a_template_cannot_reach_render_as_nothing(
     tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -232,3 +254,11 @@ def test_a_model_without_a_template_names_the_fix(tmp_path: Path, tiny_model: Pa
     assert engine.chat_template is None
     with pytest.raises(BadPrompt, match=re.escape('model.chat_template = "FILE"')):
         engine.render_chat([{"role": "user", "content": "x"}])
+
+
+def test_model_info_names_the_template(tmp_path: Path, tiny_model: Path) -> None:
+    assert "chat template:     " + str(tiny_model / "chat_template.jinja") in (
+        load_model(tiny_model).describe()
+    )
+    bare = load_model(model_folder(tmp_path, tiny_model, None))
+    assert bare.chat_template is None and "model.chat_template" in bare.describe()

@@ -188,9 +188,17 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             # raise_exception's message, or the sandbox refusing an unsafe access.
             raise ChatTemplateError(f"chat template {self.origin}: {exc}") from exc
-        except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as exc:
+        except (
+            TypeError,
+            ValueError,
+            LookupError,
+            ArithmeticError,
+            AttributeError,
+            RecursionError,
+        ) as exc:
             # A template that does something its inputs do not support (say,
-            # slicing content that is absent) fails this request, not the daemon.
+            # slicing content that is absent, or a macro that never returns)
+            # fails this request, not the daemon.
             raise ChatTemplateError(
                 f"chat template {self.origin} failed: {type(exc).__name__}: {exc}"
             ) from exc

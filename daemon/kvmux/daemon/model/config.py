@@ -18,6 +18,7 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
+from kvmux.daemon.model.chat import find_chat_template
 from kvmux.daemon.model.errors import ModelFormatError
 from kvmux.daemon.model.features import ModelFeatures, read_features
 
@@ -141,6 +142,8 @@ class ModelSpec:
     search: SearchDefaults
     #: What the graph does that kvmux relies on (attention, window, precision).
     features: ModelFeatures
+    #: Where the folder's own chat template is (None: it has none).
+    chat_template: str | None = None
 
     @property
     def has_position_ids(self) -> bool:
@@ -172,6 +175,8 @@ class ModelSpec:
             f"outputs:           {self.logits_name}, {self.present_key_names[0]}.., "
             f"{self.present_value_names[0]}..",
             f"search:            {self.search}",
+            "chat template:     "
+            + (self.chat_template or 'none (chat requests need model.chat_template = "FILE")'),
             *self.features.lines(),
         ]
         return "\n".join(lines)
@@ -622,6 +627,7 @@ def load_model(folder: Path) -> ModelSpec:
     graph_model = _load_graph(folder, model_path)
     features = read_features(folder, model_path.name, graph_model, data)
     inputs, outputs = _onnx_io(graph_model)
+    template = find_chat_template(folder)
     kv_dtype, logits_dtype, ids_dtype, mask_dtype, position_ids = _check_io(
         folder, names, inputs, outputs, source=f"{filename} graph"
     )
@@ -661,6 +667,7 @@ def load_model(folder: Path) -> ModelSpec:
         present_value_names=names.present_value,
         search=search,
         features=features,
+        chat_template=None if template is None else template.origin,
     )
 
 
