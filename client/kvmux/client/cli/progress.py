@@ -95,7 +95,8 @@ class Reporter:
         self.job_id = job_id
         self.tally.total = total
         self.tally.started = self._last_line = time.monotonic()
-        self.note(f"job {job_id}: {total} items")
+        # A file streams into its job: the count grows as its lines go in.
+        self.note(f"job {job_id}: {total} items" if total else f"job {job_id}: started")
 
     def tokens(self, n: int) -> None:
         self.tally.tokens += n
