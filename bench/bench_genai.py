@@ -57,6 +57,16 @@ N_NEW = 240  # prompt + new = 256: the Generator's buffer and kvmux's first buck
 SIZES: dict[str, dict[str, int]] = {
     "fixture": {},
     "small": {"HIDDEN_SIZE": 512, "INTERMEDIATE_SIZE": 1408, "NUM_LAYERS": 8, "HEAD_DIM": 64},
+    # The fixture with a 4096-token context (Llama 2's, Phi-3-mini-4k's): what
+    # a static cache reserves per sequence at its defaults (bench_density).
+    "long": {"MAX_POSITIONS": 4096},
+    "small-long": {
+        "HIDDEN_SIZE": 512,
+        "INTERMEDIATE_SIZE": 1408,
+        "NUM_LAYERS": 8,
+        "HEAD_DIM": 64,
+        "MAX_POSITIONS": 4096,
+    },
 }
 
 

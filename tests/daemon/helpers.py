@@ -5,24 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from kvmux.client import Item, ItemResult
-from kvmux.daemon.engine import Engine, SamplingParams
+from kvmux.daemon.engine import Engine
+from kvmux.daemon.scheduler import item_params, item_prompt
 
 
 def decode_alone(reference: Engine, item: Item) -> list[int]:
     """The tokens ``item`` gets from the engine in this process, with no daemon around it."""
-    prompt: str | list[int] = (
-        item.prompt if item.prompt is not None else list(item.prompt_tokens or [])
-    )
-    params = SamplingParams(
-        max_new_tokens=item.max_new_tokens,
-        temperature=item.temperature,
-        top_k=item.top_k,
-        top_p=item.top_p,
-        seed=item.seed,
-        stop=tuple(item.stop),
-        ignore_eos=item.ignore_eos,
-    )
-    return reference.generate(prompt, params, max_context=item.max_context).token_ids
+    return reference.generate(
+        item_prompt(reference, item), item_params(item), max_context=item.max_context
+    ).token_ids
 
 
 def token_prompt(n: int, seed: int, vocab: int = 259) -> list[int]:

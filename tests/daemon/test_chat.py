@@ -10,8 +10,9 @@ import pytest
 
 from kvmux.client import Item, ItemResult
 from kvmux.client import protocol as p
-from kvmux.daemon.engine import Engine, SamplingParams
+from kvmux.daemon.engine import Engine
 from kvmux.daemon.journal import Journal
+from kvmux.daemon.scheduler import item_params, item_prompt
 
 from .conftest import connected, make_config, running
 
@@ -28,26 +29,9 @@ RENDERED = "<s><|system|>\nAnswer in one word.\n<|user|>\nWhich colour is the sk
 
 def alone(reference: Engine, item: Item) -> list[int]:
     """The tokens ``item`` gets from the engine in this process, with every parameter."""
-    prompt: str | list[int]
-    if item.messages is not None:
-        prompt = reference.render_chat([msgspec.structs.asdict(m) for m in item.messages])
-    else:
-        prompt = item.prompt if item.prompt is not None else list(item.prompt_tokens or [])
-    params = SamplingParams(
-        max_new_tokens=item.max_new_tokens,
-        temperature=item.temperature,
-        top_k=item.top_k,
-        seed=item.seed,
-        ignore_eos=item.ignore_eos,
-        min_new_tokens=item.min_new_tokens,
-        min_p=item.min_p,
-        repetition_penalty=item.repetition_penalty,
-        presence_penalty=item.presence_penalty,
-        frequency_penalty=item.frequency_penalty,
-        stop_token_ids=tuple(item.stop_token_ids),
-        logprobs=item.logprobs,
-    )
-    return reference.generate(prompt, params).token_ids
+    return reference.generate(
+        item_prompt(reference, item), item_params(item), max_context=item.max_context
+    ).token_ids
 
 
 def by_id(results: list[ItemResult]) -> dict[str, ItemResult]:

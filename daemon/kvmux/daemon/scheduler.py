@@ -617,31 +617,9 @@ class Scheduler:
                     "(scheduler.max_new_tokens)",
                     {"max_new_tokens": item.max_new_tokens, "limit": limit},
                 )
-            params = SamplingParams(
-                max_new_tokens=item.max_new_tokens,
-                temperature=item.temperature,
-                top_k=item.top_k,
-                top_p=item.top_p,
-                seed=item.seed,
-                stop=tuple(item.stop),
-                ignore_eos=item.ignore_eos,
-                min_new_tokens=item.min_new_tokens,
-                min_p=item.min_p,
-                repetition_penalty=item.repetition_penalty,
-                presence_penalty=item.presence_penalty,
-                frequency_penalty=item.frequency_penalty,
-                stop_token_ids=tuple(item.stop_token_ids),
-                logprobs=item.logprobs,
-                skip_special_tokens=item.skip_special_tokens,
-            )
-            prompt: str | list[int]
-            if item.messages is not None:
-                # Rendered here, on the tokenizer's side thread: the event loop never runs Jinja.
-                prompt = self.engine.render_chat([msgspec.structs.asdict(m) for m in item.messages])
-            elif item.prompt is not None:
-                prompt = item.prompt
-            else:
-                prompt = list(item.prompt_tokens or [])
+            params = item_params(item)
+            # Rendered here, on the tokenizer's side thread: the event loop never runs Jinja.
+            prompt = item_prompt(self.engine, item)
             if isinstance(prompt, str):
                 self._check_prompt_bytes(prompt, item.max_context)
             admission = self.engine.admit(prompt, params, max_context=item.max_context)
@@ -1364,6 +1342,37 @@ _ENCODER = msgspec.msgpack.Encoder()
 _FAILURE_CODES = frozenset(
     {"kv_capacity_exceeded", "kv_growth_failed", "run_failed", "internal", "shutdown"}
 )
+
+
+def item_params(item: Item) -> SamplingParams:
+    """What a wire item asks the sampler for (``None``: the model's default)."""
+    return SamplingParams(
+        max_new_tokens=item.max_new_tokens,
+        temperature=item.temperature,
+        top_k=item.top_k,
+        top_p=item.top_p,
+        seed=item.seed,
+        stop=tuple(item.stop),
+        ignore_eos=item.ignore_eos,
+        min_new_tokens=item.min_new_tokens,
+        min_p=item.min_p,
+        repetition_penalty=item.repetition_penalty,
+        presence_penalty=item.presence_penalty,
+        frequency_penalty=item.frequency_penalty,
+        stop_token_ids=tuple(item.stop_token_ids),
+        logprobs=item.logprobs,
+        skip_special_tokens=item.skip_special_tokens,
+    )
+
+
+def item_prompt(engine: Engine, item: Item) -> str | list[int]:
+    """A wire item's prompt for the engine: its text, its token ids, or its chat
+    messages rendered with the model's template."""
+    if item.messages is not None:
+        return engine.render_chat([msgspec.structs.asdict(m) for m in item.messages])
+    if item.prompt is not None:
+        return item.prompt
+    return list(item.prompt_tokens or [])
 
 
 def _with_seed(item: Item, check: Admission | Exception) -> Item:
