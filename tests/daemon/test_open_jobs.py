@@ -271,3 +271,22 @@ async def test_an_open_job_is_cancelled_when_its_client_leaves_unless_detached(
     assert first == 2 and isinstance(second, Overloaded)
     assert [r.error.code if r.error else None for r in results] == ["cancelled", "cancelled"]
     assert still.state == "running"
+
+
+async def test_one_owner_holds_a_bounded_number_of_open_jobs(
+    tiny_model: Path, sock_dir: Path
+) -> None:
+    # An open job needs no item: without this bound a client could open jobs
+    # until the daemon's memory and journal are full.
+    cfg = make_config(tiny_model, sock_dir, jobs={"max_open_per_owner": 2})
+    async with running(cfg) as daemon, connected(daemon) as client:
+        first = await client.submit([], more=True)
+        await client.submit([], more=True)
+        with pytest.raises(Overloaded, match="max_open_per_owner"):
+            await client.submit([], more=True)
+        # A job that is not open does not count.
+        done = await client.submit([_item(0)])
+        assert (await done.results())[0].status == "ok"
+        await first.add([_item(1)], last=True)
+        third = await client.submit([], more=True)
+        assert third.total == 0

@@ -149,6 +149,9 @@ class JobsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     # An open job (still taking items) that nobody is attached to and that got
     # nothing for this long is closed: it then finishes with what it has.
     open_timeout: PositiveFloat = 600.0
+    # Open jobs one owner may hold at once: an open job needs no item, so the
+    # queue share alone would not bound how many a client can create.
+    max_open_per_owner: PositiveInt = 16
 
 
 class LogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

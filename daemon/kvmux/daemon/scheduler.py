@@ -260,6 +260,8 @@ class Scheduler:
         if not msg.items and not msg.rejected and not msg.more:
             raise BadRequest("a job needs at least one item (or `more` to add them later)")
         owner = caller.owner
+        if msg.more:
+            self._check_open_share(owner)
         self._check_message(len(msg.items), len(msg.rejected), 0)
         checks = await self._check_items(msg.items, owner)
         if still_wanted is not None and not still_wanted():
@@ -360,6 +362,16 @@ class Scheduler:
                 last=msg.last,
             )
             return job
+
+    def _check_open_share(self, owner: str) -> None:
+        cap = self.jobs_cfg.max_open_per_owner
+        held = sum(1 for j in self._jobs.values() if j.open and j.owner == owner)
+        if held >= cap:
+            raise Overloaded(
+                f"you hold {held} open jobs, the most one owner may (jobs.max_open_per_owner); "
+                "close one (its last addition), cancel it, or wait until one finishes",
+                {"open_jobs": held, "max_open_per_owner": cap},
+            )
 
     def _check_open(self, job: JobState) -> None:
         if not job.open:
