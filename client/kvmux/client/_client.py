@@ -521,10 +521,6 @@ class Chunk:
     def __len__(self) -> int:
         return len(self.items) + len(self.rejected)
 
-    def lines(self) -> list[int | None]:
-        """The input line of each entry, in the order the daemon numbers them."""
-        return [i.line for i in self.items] + [r.line for r in self.rejected]
-
 
 def chunked(
     entries: Iterable[p.Item | Refusal], *, max_items: int, max_bytes: int

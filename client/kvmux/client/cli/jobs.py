@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import array
 import asyncio
 import contextlib
 import itertools
@@ -140,22 +139,11 @@ class _Feed:
     def __init__(self, feeder: Feeder, reporter: Reporter) -> None:
         self.feeder = feeder
         self.reporter = reporter
-        # The input line of each item index, for results that do not carry theirs.
-        self.lines = array.array("q")
         self.refused = 0
-        self.on_lines: Callable[[], None] = lambda: None
 
     def added(self, chunk: Chunk, total: int) -> None:
-        missing = total - len(chunk) - len(self.lines)
-        if missing > 0:  # added before a restart by a message this run never saw answered
-            self.lines.extend([0] * missing)
-        self.lines.extend(line or 0 for line in chunk.lines())
         self.refused += len(chunk.rejected)
         self.reporter.grow(total)
-        self.on_lines()
-
-    def line_of(self, index: int) -> int | None:
-        return (self.lines[index] or None) if index < len(self.lines) else None
 
     async def run(self, job: Job) -> None:
         await self.feeder.run(job, on_wait=self.reporter.waiting, on_added=self.added)
@@ -276,7 +264,7 @@ async def _run(
     if feed is not None and not feed.feeder.closed:
         tasks.append(asyncio.create_task(feed.run(job)))
     if writer is not None:
-        tasks.append(asyncio.create_task(_collect(job, reporter, writer, feed, seen)))
+        tasks.append(asyncio.create_task(_collect(job, reporter, writer, seen)))
     pending = set(tasks)
     try:
         while pending:
@@ -349,12 +337,10 @@ async def _collect(
     job: Job,
     reporter: Reporter,
     writer: ResultSink,
-    feed: _Feed | None,
     seen: bytearray,
 ) -> None:
     """Write every result of ``job`` not yet ``seen`` once, as it finishes, and feed the
-    progress display."""
-    held: dict[int, p.ItemResult] = {}
+    progress display. Results carry their input line (the daemon echoes each item's)."""
 
     def record(result: p.ItemResult) -> None:
         index = result.index
@@ -362,27 +348,15 @@ async def _collect(
             seen.extend(bytes(index + 1 - len(seen)))
         if seen[index]:
             return
-        line = result.line
-        if line is None and feed is not None:
-            if index >= len(feed.lines):
-                # Its message's answer has not been read yet: it names the line.
-                held[index] = result
-                return
-            line = feed.line_of(index)
         seen[index] = 1
-        writer.result(result if result.line == line else msgspec.structs.replace(result, line=line))
+        writer.result(result)
         label = None
         if result.error is not None:
-            label = failure_label(result.custom_id, result.error, line=line, index=result.index)
+            label = failure_label(
+                result.custom_id, result.error, line=result.line, index=result.index
+            )
         reporter.item(result.status == "ok", label)
 
-    def release() -> None:
-        assert feed is not None
-        for index in sorted(i for i in held if i < len(feed.lines)):
-            record(held.pop(index))
-
-    if feed is not None:
-        feed.on_lines = release
     # Results that finished before an attach (live ones are deduplicated by index).
     async for result in job.result_pages():
         record(result)
