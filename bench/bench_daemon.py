@@ -437,12 +437,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(s) for s in args.sizes.split(",")]
     budget, repeats = (256, 3) if args.quick else (640, 5)
     repeats = args.repeats or repeats
-    model = builtin("small")
+    model = builtin(args.model)
     opts = EngineOptions(intra_op_threads=args.threads, min_bucket=MIN_BUCKET, prefill_chunk=256)
     engine = Engine(model, opts)
     vocab = engine.spec.vocab_size
     threads = args.threads or "default (ORT: one per physical core)"
-    print(f"model small: {engine.spec.num_layers} layers, hidden {engine.spec.hidden_size}")
+    print(f"model {args.model}: {engine.spec.num_layers} layers, hidden {engine.spec.hidden_size}")
     print(
         f"intra_op_num_threads={threads} on every side; greedy; prompt {PROMPT_LEN}; "
         f"min_bucket {MIN_BUCKET}; {repeats} repeats per side, interleaved; "
@@ -499,6 +499,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
+    ap.add_argument(
+        "--model",
+        default="small",
+        choices=["tiny", "small"],
+        help="built-in model; `tiny` is the short-step regime (a step ~0.1 ms, like a GPU's)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: ORT default)")
     ap.add_argument("--sizes", default="1,4,16,64", help="session counts N, comma-separated")
     ap.add_argument(
