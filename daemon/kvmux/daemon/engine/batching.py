@@ -21,7 +21,7 @@ def plan(rows: Sequence[RowInput], max_rows: int) -> list[list[int]]:
     runs: list[list[int]] = []
     for i, r in enumerate(rows):
         if len(r.tokens) == 1 or r.cache.valid_len == 0:
-            p = r.cache.placement()
+            p = r.placement()
             (decode if len(r.tokens) == 1 else first).append((p.group, p.row, i))
         else:
             runs.append([i])

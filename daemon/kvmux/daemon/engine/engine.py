@@ -19,6 +19,7 @@ from kvmux.kv import (
     KvSpec,
     MemoryBudget,
     MemoryInfo,
+    Placement,
     RowKvCache,
     classify_cause,
     cuda_memory,
@@ -316,38 +317,28 @@ class Engine:
         out: list[StepOutput | Exception] = [StepOutput() for _ in sessions]
         live = list(range(len(sessions)))
         for _ in range(steps):
-            feeds: list[tuple[int, RowInput]] = []
+            fed: list[tuple[int, DecodeSession, list[int]]] = []
             for i in live:
+                session = sessions[i]
                 try:
                     failpoints.hit("engine.step")
-                    feed = self._feed(sessions[i])
+                    feed = session.feed()
                 except Exception as exc:  # noqa: BLE001 - the scheduler fails that item alone
                     out[i] = exc
                     continue
                 if isinstance(feed, StepOutput):
                     _merge(out[i], feed)
                 else:
-                    feeds.append((i, feed))
-            rows = [row for _, row in feeds]
-            # Rows freed by sessions that left are filled by moving the highest
-            # decode rows down, so the rows that run together stay adjacent.
-            if len(rows) > 1:
-                self.pool.compact(
-                    [
-                        r.cache
-                        for r in rows
-                        if len(r.tokens) == 1 and isinstance(r.cache, RowKvCache)
-                    ]
-                )
+                    fed.append((i, session, feed))
+            rows = self._rows(fed)
             for run in plan(rows, self.options.max_batch):
                 results = run_isolated([rows[k] for k in run], self._run_rows)
                 for k, result in zip(run, results, strict=True):
-                    i = feeds[k][0]
-                    session = sessions[i]
+                    i, session, tokens = fed[k]
                     try:
                         if isinstance(result, Exception):
-                            raise self.translate_run_error(result, session, len(rows[k].tokens))
-                        step = session.took(len(rows[k].tokens), result)
+                            raise self.translate_run_error(result, session, len(tokens))
+                        step = session.took(len(tokens), result)
                     except Exception as exc:  # noqa: BLE001 - that item fails alone
                         out[i] = exc
                         continue
@@ -355,19 +346,29 @@ class Engine:
             live = [i for i in live if _going(out[i])]
         return out
 
+    def _rows(self, fed: Sequence[tuple[int, DecodeSession, list[int]]]) -> list[RowInput]:
+        """The step's rows, each with its placement read once for planning and binding.
+
+        Rows freed by sessions that left are filled by moving the highest decode
+        rows down, so the rows that run together stay adjacent; while they are
+        adjacent already (the steady state) nothing is moved or even looked at.
+        """
+        places = [s.cache.placement() for _, s, _ in fed]
+        decode = [
+            (k, s.cache)
+            for k, (_, s, tokens) in enumerate(fed)
+            if len(tokens) == 1 and isinstance(s.cache, RowKvCache)
+        ]
+        if len(decode) > 1 and not _one_span_per_group([places[k] for k, _ in decode]):
+            self.pool.compact([cache for _, cache in decode])
+            places = [s.cache.placement() for _, s, _ in fed]
+        return [
+            RowInput(s.cache, tokens, s.session_id, p)
+            for (_, s, tokens), p in zip(fed, places, strict=True)
+        ]
+
     def _run_rows(self, rows: Sequence[RowInput]) -> list[np.ndarray[Any, Any]]:
         return list(self.runner.run(rows))
-
-    def _feed(self, session: DecodeSession) -> RowInput | StepOutput:
-        """The row a session's next step runs, or its end when it has nothing to run."""
-        if session.finished:
-            raise RuntimeError(f"session {session.session_id} already finished")
-        stopped = session.stop_at_length()
-        if stopped is not None:
-            return stopped
-        if session.needs_growth():
-            session.ensure_capacity()
-        return RowInput(session.cache, session.next_tokens(), session.session_id)
 
     def generate(
         self,
@@ -413,6 +414,15 @@ class Engine:
                 "session_unchanged": True,
             },
         )
+
+
+def _one_span_per_group(places: Sequence[Placement]) -> bool:
+    """Whether the rows of each group are adjacent (one run can bind them together)."""
+    spans: dict[int, tuple[int, int, int]] = {}
+    for p in places:
+        lo, hi, n = spans.get(p.group, (p.row, p.row, 0))
+        spans[p.group] = (min(lo, p.row), max(hi, p.row), n + 1)
+    return all(hi - lo + 1 == n for lo, hi, n in spans.values())
 
 
 def _going(out: StepOutput | Exception) -> bool:

@@ -48,11 +48,19 @@ class RowCache(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RowInput:
-    """One row of a run: its cache, the tokens to feed, and a key naming it (a session id)."""
+    """One row of a run: its cache, the tokens to feed, and a key naming it (a session id).
+
+    ``place`` is the cache's placement when the caller has just read it (the
+    engine does, once per step, for planning); None reads it from the cache.
+    """
 
     cache: RowCache
     tokens: Sequence[int]
     key: str = ""
+    place: Placement | None = None
+
+    def placement(self) -> Placement:
+        return self.cache.placement() if self.place is None else self.place
 
 
 @dataclass(slots=True)
@@ -122,7 +130,7 @@ class ModelRunner:
                     f"row {r.key!r}: {len(r.tokens)} token(s) do not fit "
                     f"(valid {r.cache.valid_len}, capacity {r.cache.capacity})"
                 )
-            places.append(r.cache.placement())
+            places.append(r.placement())
         if len(rows) > 1:
             first = places[0]
             prompts = any(len(r.tokens) > 1 for r in rows)

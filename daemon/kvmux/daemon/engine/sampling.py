@@ -264,7 +264,7 @@ class Sampler:
 
     def _draw(self, logits: npt.NDArray[np.floating]) -> int:
         if self.cfg.greedy:
-            return int(np.argmax(logits))
+            return int(logits.argmax())
         x = logits.astype(np.float64) / self.cfg.temperature
         k = self.cfg.top_k
         if 0 < k < x.shape[0]:

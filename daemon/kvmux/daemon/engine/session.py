@@ -52,7 +52,7 @@ class Completion:
 class DecodeSession:
     """One item's sequence state: prompt, pending token, sampling, stop strings, the end.
 
-    It owns no execution: the engine asks it what to feed (:meth:`next_tokens`),
+    It owns no execution: the engine asks it what to feed (:meth:`feed`),
     runs that through its model runner on the session's KV cache, and hands the
     logits back (:meth:`took`). Growth goes through :func:`kvmux.kv.ensure_capacity`
     on :attr:`cache`; the scheduler reads the session (:meth:`needs_growth`,
@@ -132,10 +132,29 @@ class DecodeSession:
         return ensure_capacity(self.cache, self.required_capacity())
 
     # -- one step, as the engine drives it ------------------------------------
-    def next_tokens(self) -> list[int]:
-        """What the next run feeds this session: a prompt chunk, or the last sampled token."""
-        if self.prefilling:
-            return self.prompt_ids[self._prompt_pos : self._prompt_pos + self.next_chunk_len()]
+    def feed(self) -> list[int] | StepOutput:
+        """What the next run feeds this session (a prompt chunk, or the last sampled
+        token), growing its cache first when the step does not fit; or its end, with
+        "length", when the context is full (as vLLM does at max_model_len).
+
+        Prompts over the hard maximum were refused at admission, so only decoding
+        reaches the end here. One pass over the state: this runs per row per step.
+        """
+        if self.finished:
+            raise RuntimeError(f"session {self.session_id} already finished")
+        cache = self.cache
+        pos = self._prompt_pos
+        prefilling = pos < len(self.prompt_ids)
+        n = min(len(self.prompt_ids) - pos, self._chunk) if prefilling else 1
+        need = cache.valid_len + n
+        hard = cache.hard_max.value
+        if hard is not None and need > hard:
+            if not prefilling:
+                return self._finish("length")
+        elif need > cache.capacity:
+            ensure_capacity(cache, need)
+        if prefilling:
+            return self.prompt_ids[pos : pos + n]
         assert self._pending is not None
         return [self._pending]
 
@@ -150,15 +169,6 @@ class DecodeSession:
         if self.sampling.logprobs is not None:
             entry = step_logprobs(logits, token, self.sampling.logprobs)
         return self._accept(token, entry)
-
-    def stop_at_length(self) -> StepOutput | None:
-        """Finish with "length" when the context is full (as vLLM does at max_model_len).
-
-        Prompts over the limit were refused at admission, so only decoding gets here.
-        """
-        if not self.prefilling and self.at_hard_max():
-            return self._finish("length")
-        return None
 
     def step(self) -> StepOutput:
         """One step of this session alone (tests, the CLI): the engine's step of a batch of one."""

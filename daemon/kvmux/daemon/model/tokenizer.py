@@ -71,6 +71,9 @@ class Tokenizer:
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
         self._token_texts: dict[int, str] = {}
+        # Filled as tokens are generated: a token's bytes are looked up per row per
+        # decode step, and rebuilding them char by char cost more than the lookup.
+        self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_folder(cls, folder: Path, *, bos_token_id: int | None = None) -> Tokenizer:
@@ -139,16 +142,21 @@ class Tokenizer:
         a special token is empty unless ``skip_special`` is False (then its content)."""
         if not self.byte_level:
             return None
+        if token_id in self._special_ids:
+            return b"" if skip_special else str(self._tok.id_to_token(token_id)).encode("utf-8")
+        data = self._token_bytes.get(token_id)
+        if data is not None:
+            return data
         piece = self._tok.id_to_token(token_id)
         if piece is None:
             raise ValueError(f"token id {token_id} is outside the vocabulary ({self.vocab_size})")
-        if token_id in self._special_ids:
-            return b"" if skip_special else str(piece).encode("utf-8")
         try:
-            return bytes(_CHAR_TO_BYTE[c] for c in piece)
+            data = bytes(_CHAR_TO_BYTE[c] for c in piece)
         except KeyError:
             # A non-special added token with ordinary text content.
-            return str(piece).encode("utf-8")
+            data = str(piece).encode("utf-8")
+        self._token_bytes[token_id] = data
+        return data
 
     def incremental_decoder(self, *, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
