@@ -1,11 +1,16 @@
-"""What a decode step's cost follows: the bound KV capacity, or the valid length.
+"""What a decode step's cost follows: the bound KV capacity, the valid length, the rows.
 
 One built-in ``small`` engine per capacity (``min_bucket`` = the capacity,
 so a session binds exactly that buffer), one session per (capacity, valid
 length) cell decoding ``--steps`` greedy tokens from a prompt of that length;
 cells interleaved and repeated, median ms per token. Reading the table: down a
 column the capacity changes and the valid length does not; along a row the
-valid length changes and the capacity does not. Usage:
+valid length changes and the capacity does not.
+
+A second table decodes R rows of one cohort in one run per step (capacity
+1024, each row 300 tokens in): how the aggregate tokens/s of one run grows
+with its rows on this machine, which bounds what batching more sessions at
+once (the memory-density comparison) can gain in tokens/s. Usage:
     python -m bench.bench_capacity [--quick]
 """
 
@@ -23,6 +28,8 @@ from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
 
 CAPACITIES = (256, 1024, 4096)
 VALID = (16, 200, 900, 3000)
+ROWS = (1, 2, 4, 8, 16, 32)
+ROWS_VALID = 300
 
 
 def ms_per_token(engine: Engine, prompt: list[int], steps: int) -> float:
@@ -40,6 +47,26 @@ def ms_per_token(engine: Engine, prompt: list[int], steps: int) -> float:
         return (time.perf_counter() - t0) * 1000 / decoded
     finally:
         session.release()
+
+
+def ms_per_step(engine: Engine, prompts: list[list[int]], steps: int) -> float:
+    """One decode step of every session of ``prompts`` (one run: rows of one cohort)."""
+    params = SamplingParams(max_new_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    sessions = [engine.new_session(p, params) for p in prompts]
+    try:
+        while any(s.prefilling for s in sessions):
+            engine.step_many(sessions)
+        runs = engine.runner.runs
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step_many(sessions)
+        elapsed = time.perf_counter() - t0
+        if engine.runner.runs - runs != steps:
+            raise AssertionError(f"{len(prompts)} rows did not decode in one run per step")
+        return elapsed * 1000 / steps
+    finally:
+        for s in sessions:
+            s.release()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,10 +109,28 @@ def main(argv: list[str] | None = None) -> int:
         f"\nvalid 16: capacity 4096 / 256 = {med[(4096, 16)] / base:.3f}; "
         f"capacity 4096: valid 3000 / 16 = {med[(4096, 3000)] / med[(4096, 16)]:.3f}"
     )
+    engine = engines[1024]
+    batch = {
+        r: [[int(t) for t in rng.integers(4, spec.vocab_size, ROWS_VALID)] for _ in range(r)]
+        for r in ROWS
+    }
+    per_rows: dict[int, list[float]] = {r: [] for r in ROWS}
+    ms_per_step(engine, batch[ROWS[-1]], 2)  # warm-up
+    for rep in range(repeats):
+        k = rep % len(ROWS)
+        for r in ROWS[k:] + ROWS[:k]:
+            per_rows[r].append(ms_per_step(engine, batch[r], steps))
+    rows_ms = {r: statistics.median(t) for r, t in per_rows.items()}
+    one = 1000 / rows_ms[1]
+    print(f"\nR rows in one run per step (capacity 1024, {ROWS_VALID} valid tokens each)")
+    print(f"{'rows':>5}{'ms/step':>10}{'tokens/s':>10}{'x 1 row':>9}")
+    for r, ms in rows_ms.items():
+        print(f"{r:>5}{ms:>10.3f}{r * 1000 / ms:>10.1f}{r * 1000 / ms / one:>9.2f}")
     result: dict[str, Any] = {
         "steps": steps,
         "repeats": repeats,
         "ms_per_token": [{"capacity": c, "valid": v, "ms": m} for (c, v), m in med.items()],
+        "rows": [{"rows": r, "valid": ROWS_VALID, "ms_per_step": m} for r, m in rows_ms.items()],
     }
     print(f"written {write_json('capacity', result)}")
     return 0

@@ -462,7 +462,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         await anyio.to_thread.run_sync(run_inprocess, engine, warm, 8)
         await anyio.to_thread.run_sync(run_bare, engine, warm, 8)
         for n in sizes:
-            n_new = new_tokens_for(n, budget)
+            n_new = args.tokens or new_tokens_for(n, budget)
             prompts = prompts_for(n, vocab, seed=n)
             runs: dict[str, list[Run]] = {"bare": [], "in-process": [], "daemon": []}
             order = ["daemon", "in-process", "bare"]
@@ -506,12 +506,21 @@ def main(argv: list[str] | None = None) -> int:
         help="built-in model; `tiny` is the short-step regime (a step ~0.1 ms, like a GPU's)",
     )
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: ORT default)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=0,
+        help="new tokens per session at every N (default: ~640 per run in all, so "
+        "at N=16 a session's fixed costs, admission and its result, weigh heavily)",
+    )
     ap.add_argument("--sizes", default="1,4,16,64", help="session counts N, comma-separated")
     ap.add_argument(
         "--repeats", type=int, default=0, help="runs per side and N (default 5; 3 quick)"
     )
     ap.add_argument("--out", default="daemon", help="JSON name under bench/results/")
     args = ap.parse_args(argv)
+    if not 0 <= args.tokens <= MIN_BUCKET - PROMPT_LEN:
+        ap.error(f"--tokens must be 1..{MIN_BUCKET - PROMPT_LEN} (every side stays in one bucket)")
     result = anyio.run(bench, args)
     for r in result["rows"]:
         goal = {1: 0.95, 16: 0.90}.get(r["n"])
