@@ -1,10 +1,10 @@
 """Isolation (issue 12): a failure that hits one row leaves every other item's tokens as they were.
 
-One job of N greedy items (prompts of 4-40 tokens; 15 short items that grow
-16 -> 32 -> 64 mid-decode from ``kv.min_bucket`` 16, and one long item that
-grows to 1024) runs through a real ``kvmuxd`` (a subprocess, batching on as
-configured by default) undisturbed, then once per fault, each on a freshly
-started daemon:
+One job of 16 greedy items (prompts of 4-40 tokens; 15 short items that end
+within bucket 64, most growing 16 -> 32 -> 64 mid-decode from ``kv.min_bucket``
+16, and one long item that grows to 1024) runs through a real ``kvmuxd`` (a
+subprocess, batching on as configured by default) undisturbed, then once per
+fault, each on a freshly started daemon:
 
 - *growth injected, fail*: ``KVMUX_FAILPOINTS=kv.copy_prefix=1`` and
   ``on_growth_failure = "fail"``: the first growth fails and its item with it.
@@ -16,16 +16,18 @@ started daemon:
 - *growth injected, wait*: the same failure under the default ``"wait"``:
   the session is parked and retried, and every item finishes.
 - *budget*: a ``kv.memory_budget`` of 1400 tokens' bytes: the short items
-  (at most 15 x 64 tokens, plus one growth's transient) and the long one
-  (<= 128 while they run) fit together; the long item, alone by then, is
-  refused its 512 -> 1024 growth (a transient peak of 1536 tokens), with
-  ``"fail"``.
-- *run injected*: ``KVMUX_FAILPOINTS=engine.run@JOB/5`` fails every model run
-  that holds item 5's row. Job ids are drawn by the daemon, so the job is
-  reserved first: opened empty (``more``) on a daemon with a journal, which
-  is stopped; the faulted daemon restores it from that journal, open, and
-  the items are added to it. The batched run holding row 5 is split
-  (``engine.batching.run_isolated``) until row 5 fails alone.
+  (at most 15 x 64 tokens, plus one growth's transient 32) and the long one
+  (<= 64 while they run: they end within 32 new tokens) fit together; the
+  long item, alone by then, is refused its 512 -> 1024 growth (a transient
+  peak of 1536 tokens), with ``"fail"``.
+- *run injected*: ``engine.run@JOB/5`` fails every model run that holds item
+  5's row (the first is the batched run of first prompts). Job ids are drawn
+  by the daemon, so the job is reserved first: opened empty (``more``) on the
+  undisturbed run's daemon, whose journal the faulted daemon restores it
+  from, open; the items are added to it then. The batched run holding row 5
+  is split (``engine.batching.run_isolated``) until row 5 fails alone. Armed
+  through ``KVMUX_FAILPOINTS`` (*run-fail-env*) the daemon refuses to start
+  (see ``_LAUNCHER``), so *run-fail* arms it in the daemon's own process.
 
 Checked for each: exactly the expected item failed, with the expected code
 and cause; every other item's token ids (the final result and the streamed
@@ -69,7 +71,7 @@ MIN_BUCKET = 16
 LONG = 11  # the item that grows to 1024 (and is refused its last growth under the budget)
 LONG_NEW = 600  # prompt 8 + 600 -> bucket 1024
 RUN_TARGET = 5  # the item whose row the injected run failure names
-BUDGET_TOKENS = 1400  # > the short items' peak with the long one (~1200), < 512 + 1024
+BUDGET_TOKENS = 1400  # > the short items' peak with the long one (<= 1056), < 512 + 1024
 THREADS = 1
 FAILPOINTS = "KVMUX_FAILPOINTS"
 
