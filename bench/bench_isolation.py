@@ -26,8 +26,7 @@ fault, each on a freshly started daemon:
   undisturbed run's daemon, whose journal the faulted daemon restores it
   from, open; the items are added to it then. The batched run holding row 5
   is split (``engine.batching.run_isolated``) until row 5 fails alone. Armed
-  through ``KVMUX_FAILPOINTS`` (*run-fail-env*) the daemon refuses to start
-  (see ``_LAUNCHER``), so *run-fail* arms it in the daemon's own process.
+  through ``KVMUX_FAILPOINTS``, as an operator would.
 
 Checked for each: exactly the expected item failed, with the expected code
 and cause; every other item's token ids (the final result and the streamed
@@ -49,7 +48,6 @@ import argparse
 import functools
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -166,7 +164,6 @@ class Scenario:
     expect: Expect | None = None  # None: every item succeeds
     growth_failures: dict[str, int] | None = None  # the daemon's counters afterwards
     run_failure: int | None = None  # engine.run@JOB/<this index>
-    arm_in_process: bool = False  # through the launcher, not KVMUX_FAILPOINTS
 
 
 def scenarios(n: int, bytes_per_token: int) -> list[Scenario]:
@@ -211,47 +208,14 @@ def scenarios(n: int, bytes_per_token: int) -> list[Scenario]:
             growth_failures={"budget": 1},
         ),
         Scenario(
-            "run-fail-env",
+            "run-fail",
             f"KVMUX_FAILPOINTS=engine.run@JOB/{RUN_TARGET}",
             tables,
             expect=run_failed,
             growth_failures={},
             run_failure=RUN_TARGET,
         ),
-        Scenario(
-            "run-fail",
-            f"engine.run@JOB/{RUN_TARGET}, armed in the daemon's process",
-            tables,
-            expect=run_failed,
-            growth_failures={},
-            run_failure=RUN_TARGET,
-            arm_in_process=True,
-        ),
     ]
-
-
-# KVMUX_FAILPOINTS is parsed when kvmux.kv is first imported, before the engine
-# has registered engine.run, so a daemon started with "engine.run@..." in it
-# refuses to start (the "run-fail-env" scenario records that). This launcher,
-# passed to kvmuxd() as its python, is `python -m kvmux.daemon ...` after
-# arming what $ISOLATION_ARM names in the daemon's own process instead.
-_LAUNCHER = """\
-import os, runpy, sys
-import kvmux.daemon.engine  # registers engine.run
-from kvmux.kv import failpoints
-name, _, key = os.environ["ISOLATION_ARM"].partition("@")
-failpoints.arm(name, key=key or None)
-sys.argv = ["kvmux.daemon", *sys.argv[3:]]  # launcher.py -m kvmux.daemon --config FILE
-runpy.run_module("kvmux.daemon", run_name="__main__", alter_sys=True)
-"""
-
-
-def write_launcher(folder: Path) -> Path:
-    (folder / "launcher.py").write_text(_LAUNCHER)
-    script = folder / "python"
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{folder / "launcher.py"}" "$@"\n')
-    script.chmod(0o755)
-    return script
 
 
 async def run_scenario(
@@ -261,34 +225,24 @@ async def run_scenario(
     failure's daemon restores the reserved open job ``job_id`` from ``journal``."""
     tables = {k: dict(v) for k, v in sc.tables.items()}
     env = dict(sc.env)
-    python = sys.executable
-    scratch = Path(tempfile.mkdtemp(prefix="kvxi-", dir="/tmp"))
+    if sc.run_failure is not None:
+        assert job_id is not None
+        tables.setdefault("jobs", {})["journal"] = str(journal)
+        env[FAILPOINTS] = f"engine.run@{job_id}/{sc.run_failure}"
     try:
-        if sc.run_failure is not None:
-            assert job_id is not None
-            tables.setdefault("jobs", {})["journal"] = str(journal)
-            target = f"engine.run@{job_id}/{sc.run_failure}"
-            if sc.arm_in_process:
-                env["ISOLATION_ARM"] = target
-                python = str(write_launcher(scratch))
-            else:
-                env[FAILPOINTS] = target
-        try:
-            async with (
-                kvmuxd(model, threads=THREADS, tables=tables, env=env, python=python) as daemon,
-                Client(daemon.endpoint, timeout=120.0) as client,
-            ):
-                job = None if sc.run_failure is None else await client.attach(job_id or "")
-                run = await run_job(client, items, job)
-                run.daemon_alive = daemon.alive()
-        except RuntimeError as exc:
-            if "at startup" not in str(exc):
-                raise
-            # The daemon's last words, not the whole traceback.
-            return JobRun.refused(str(exc).strip().splitlines()[-1])
-        return run
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        async with (
+            kvmuxd(model, threads=THREADS, tables=tables, env=env) as daemon,
+            Client(daemon.endpoint, timeout=120.0) as client,
+        ):
+            job = None if sc.run_failure is None else await client.attach(job_id or "")
+            run = await run_job(client, items, job)
+            run.daemon_alive = daemon.alive()
+    except RuntimeError as exc:
+        if "at startup" not in str(exc):
+            raise
+        # The daemon's last words, not the whole traceback.
+        return JobRun.refused(str(exc).strip().splitlines()[-1])
+    return run
 
 
 async def run_baseline(

@@ -66,13 +66,3 @@ def test_a_failing_run_fails_its_row_alone(report: dict[str, Any]) -> None:
     (failed,) = r["failed"]
     assert failed["index"] == RUN_TARGET
     assert (failed["code"], failed["cause"]) == ("run_failed", "injected")
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="KVMUX_FAILPOINTS is parsed when kvmux.kv is first imported, before the engine "
-    "registers engine.run, so kvmuxd refuses 'engine.run@...' at startup",
-)
-def test_a_run_failure_armed_through_the_environment(report: dict[str, Any]) -> None:
-    r = row(report, "run-fail-env")
-    assert r["problems"] == [] and r["others_identical"] is True

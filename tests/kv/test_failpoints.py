@@ -66,7 +66,8 @@ def _run(env_value: str, code: str) -> subprocess.CompletedProcess[str]:
 def test_a_running_process_arms_from_env() -> None:
     code = (
         "from kvmux.kv import HostKvCache, KvSpec, GrowthFailed\n"
-        "from kvmux.kv import ensure_capacity, resolve_hard_max\n"
+        "from kvmux.kv import ensure_capacity, failpoints, resolve_hard_max\n"
+        "failpoints.arm_from_env()\n"
         "c = HostKvCache(KvSpec(1, 1, 2), resolve_hard_max(None, None), min_bucket=2)\n"
         "outcomes = []\n"
         "for _ in range(3):\n"
@@ -82,7 +83,7 @@ def test_a_running_process_arms_from_env() -> None:
 
 
 def test_invalid_env_fails_loudly_at_start() -> None:
-    proc = _run("kv.copy_prefx", "import kvmux.kv")
+    proc = _run("kv.copy_prefx", "from kvmux.kv import failpoints; failpoints.arm_from_env()")
     assert proc.returncode != 0
     assert "unknown failpoint 'kv.copy_prefx'" in proc.stderr
 

@@ -126,7 +126,9 @@ class Daemon:
     def _load_engine(self) -> Engine:
         cfg = self.config
         resolve_min_bucket(cfg.kv.min_bucket)  # a bad KVMUX_KV_MIN_BUCKET fails here, at start
-        failpoints.slow_from_env()  # every failpoint is registered by now
+        # Every failpoint is registered by now (the engine's and the scheduler's too).
+        failpoints.arm_from_env()
+        failpoints.slow_from_env()
         if cfg.model.path:
             folder = Path(cfg.model.path)
         else:

@@ -6,6 +6,10 @@ allocation. ``"engine.run@s7"`` fails only hits that name the key ``s7`` (a
 batched run that holds session ``s7``'s row, say). :func:`slow` makes a step
 sleep instead of fail, to hold a race window open in tests. Unarmed,
 :func:`hit` is two truthiness tests of empty dicts.
+
+A process arms what the variable names by calling :func:`arm_from_env` once
+every failpoint it has is registered (kvmuxd does at start): read at import,
+the names the engine registers later (``engine.run``) would be refused.
 """
 
 from __future__ import annotations
@@ -165,13 +169,12 @@ def slow_from_env() -> dict[str, float]:
 
 
 def arm_from_env() -> dict[str, int]:
-    """Arm what ``KVMUX_FAILPOINTS`` names; an invalid spec is an error, not ignored."""
+    """Arm what ``KVMUX_FAILPOINTS`` names; an invalid spec (an unknown name, a bad
+    count) is an error, not ignored. Call it after the process's last
+    :func:`register`."""
     spec = os.environ.get(ENV, "")
     parsed = parse_spec(spec)
     for target, times in parsed.items():
         name, _, key = target.partition("@")
         arm(name, times, key=key or None)
     return parsed
-
-
-arm_from_env()
