@@ -24,8 +24,9 @@ Prompts are screened so that every one decodes its full ``max_new_tokens``
 without reaching eos: both systems do exactly the same work, and tokens are
 checked equal. The Generator's KV buffer is sized ``prompt + new`` (its
 ``max_length``) and kvmux's first bucket is 256, which ``prompt + new`` is
-set to, so both bind the same capacity. Needs the [genai] extra; run with
-    .venv-genai/bin/python -m bench.bench_genai [--quick] [--threads N] [--size fixture|small]
+set to, so both bind the same capacity. Needs the [genai] extra. Usage:
+    python -m bench.bench_genai [--quick] [--threads N] [--size fixture|small|long|small-long]
+        [--sizes 16,64] [--repeats R] [--gap S]
 """
 
 from __future__ import annotations
