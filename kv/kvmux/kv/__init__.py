@@ -23,7 +23,7 @@ from ._cohort import (
     StagedRow,
     carve,
 )
-from ._cuda import CudaKvCache, cuda_memory, cuda_unavailable_reason
+from ._cuda import CudaStorage, cuda_memory, cuda_unavailable_reason
 from ._driver import classify_cause, ensure_capacity
 from ._errors import (
     BudgetExceeded,
@@ -50,7 +50,7 @@ __all__ = [
     "CohortBuffers",
     "CohortPool",
     "CohortStorage",
-    "CudaKvCache",
+    "CudaStorage",
     "GrowthBackend",
     "GrowthFailed",
     "GrowthResult",
