@@ -68,9 +68,7 @@ def test_batched_decode_on_device_cohorts_equals_solo_bit_for_bit(
     runs, rows = engine.runner.runs, engine.runner.rows_run
     batched = _drive(engine, plans)
     runs, rows = engine.runner.runs - runs, engine.runner.rows_run - rows
-    # Fewer than on the host (cohorts of 1, 1, 2, 4 ... rows batch only within
-    # themselves), but batched.
-    assert rows / runs > 1.15, "sessions were not batched"
+    assert rows / runs > 1.3, "sessions were not batched"
     for p in plans:
         tokens, logits = _solo(engine, p)
         assert batched[p.sid][0] == tokens, p.sid

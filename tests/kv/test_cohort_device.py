@@ -215,3 +215,37 @@ def test_compact_invalidates_the_capture_of_every_row_it_moves() -> None:
     assert [c.placement().row for c in big[1:]] == [1, 0]
     assert [c.capture_valid for c in big[1:]] == [True, False]
     assert all(c.capture_valid for c in caches if c not in big)
+
+
+def test_compact_moves_rows_out_of_small_cohorts_into_a_larger_ones_holes() -> None:
+    rng = np.random.default_rng(6)
+    storage = FakeDeviceStorage()
+    pool = _pool(storage, rows=4)
+    caches = _opened(pool, 8)  # cohorts of 1, 1, 2 and 4 rows
+    refs: list[list[np.ndarray]] = [[] for _ in caches]
+    for c, ref in zip(caches, refs, strict=True):
+        _write(c, rng, ref)
+    big = caches[4].placement().group
+    for i in (4, 6):
+        caches[i].release()
+        refs[i] = []
+    outsider = caches[3]  # growing, say: not handed to compact, so it must not move
+    where = outsider.placement()
+    used, held = pool.budget.used, storage.held
+    for c in caches:
+        c.capture_valid = True
+    pool.compact([caches[i] for i in (0, 1, 2, 5, 7)])
+    # The one-row cohorts' rows filled the big cohort's holes: its four rows run together.
+    assert {caches[i].placement().row: i for i in (0, 1, 5, 7)} == {0: 1, 1: 5, 2: 0, 3: 7}
+    assert all(caches[i].placement().group == big for i in (0, 1, 5, 7))
+    # No hole comes before the 2-row cohort's row: it stays, beside the outsider.
+    assert caches[2].placement().row == 0 and outsider.placement() == where
+    # Only the rows that moved lost their capture.
+    assert [caches[i].capture_valid for i in (0, 1, 2, 3, 5, 7)] == [False, False] + [True] * 4
+    # The emptied one-row cohorts were dropped: their charge and memory are back.
+    assert pool.budget.used == used - 2 * 4 * BPT
+    gc.collect()
+    assert storage.held == held - 2 * carve(SPEC, 4, 1).nbytes
+    for c, ref in zip(caches, refs, strict=True):
+        if c.capacity:
+            _assert_intact(c, ref)

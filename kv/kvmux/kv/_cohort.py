@@ -10,9 +10,10 @@ and the next claim takes the lowest free row of the largest cohort.
 Rows move in two cases only, each by the one thread that owns the row at that
 moment: a growth (to the next bucket's cohort), and :meth:`CohortPool.compact`,
 which the model thread calls between runs to move rows of sessions it is about
-to run down into holes, so that the rows one run binds are adjacent. Either
-move invalidates the session's captured CUDA graph. A row held by anyone else
-is never touched.
+to run into free rows of the same capacity that come first (a lower row, a
+larger cohort), so that the rows one run binds are adjacent. Either move
+invalidates the session's captured CUDA graph. A row held by anyone else is
+never touched.
 
 Where the buffers live is a :class:`CohortStorage`: host memory (here) or a
 CUDA device (:class:`kvmux.kv.CudaStorage`). How the budget is charged follows
@@ -334,12 +335,11 @@ class CohortPool:
             self.budget.reserve(row_bytes)
         try:
             with self._lock:
-                siblings = self._cohorts.get(capacity, [])
                 # The largest cohort first: the more rows share one, the more one run decodes.
-                for cohort in sorted(siblings, key=lambda c: -c.rows):
+                for cohort in self._ranked(capacity):
                     if cohort.used < cohort.rows:
                         return cohort, self._take(cohort, cohort.slots.index(None))
-                held = sum(c.rows for c in siblings)
+                held = sum(c.rows for c in self._cohorts.get(capacity, []))
             # Allocated outside the lock; another claim may allocate one too, harmlessly.
             cohort = self._new_cohort(capacity, held)
             with self._lock:
@@ -388,31 +388,52 @@ class CohortPool:
             cohort.slots[row] = owner
 
     def compact(self, caches: Sequence[RowKvCache]) -> int:
-        """Move rows of ``caches`` down into free rows below them; returns bytes moved.
+        """Move rows of ``caches`` into free rows that come before theirs; returns bytes moved.
 
-        The caller guarantees that no run and no growth is using these caches
-        (the model thread, between runs, over sessions that are not growing), so
-        their rows can move; other rows are never touched. Afterwards the rows
-        of ``caches`` that share a cohort sit as low, and so as adjacent, as the
-        rows held by others allow: one run binds them together.
+        Rows of one capacity come in the order claims fill them: the largest
+        cohort first (the oldest among equals), and within a cohort the lowest
+        row. The caller guarantees that no run and no growth is using these
+        caches (the model thread, between runs, over sessions that are not
+        growing), so their rows can move; other rows are never touched.
+        Afterwards the rows of ``caches`` of one capacity sit in as few cohorts,
+        as low, and so as adjacent, as the rows held by others allow: one run
+        binds them together. A cohort left empty is dropped, which on a device
+        frees the small cohorts that a bucket's first sessions opened.
         """
-        by_cohort: dict[int, list[RowKvCache]] = {}
+        by_capacity: dict[int, list[RowKvCache]] = {}
         for c in caches:
             if c._cohort is not None:
-                by_cohort.setdefault(id(c._cohort), []).append(c)
+                by_capacity.setdefault(c._cohort.capacity, []).append(c)
         moved = 0
-        for members in by_cohort.values():
-            members.sort(key=lambda c: c._row, reverse=True)
-            cohort = members[0]._cohort
-            assert cohort is not None
+        for capacity, members in by_capacity.items():
+            with self._lock:
+                rank = {id(c): i for i, c in enumerate(self._ranked(capacity))}
+
+            def place(
+                cohort: Cohort | None, row: int, rank: dict[int, int] = rank
+            ) -> tuple[int, int]:
+                # A cohort opened meanwhile (by a growth) ranks last.
+                return rank.get(id(cohort), len(rank)), row
+
+            # The worst placed first: once no free row beats it, none beats the rest.
+            members.sort(key=lambda c: place(c._cohort, c._row), reverse=True)
             for cache in members:
                 with self._lock:
-                    if None not in cohort.slots[: cache._row]:
+                    hole = next((c for c in self._ranked(capacity) if c.used < c.rows), None)
+                    if hole is None:
                         break
-                    hole = self._take(cohort, cohort.slots.index(None))
-                moved += cache._move_to(hole)
+                    row = hole.slots.index(None)
+                    if place(hole, row) >= place(cache._cohort, cache._row):
+                        break
+                    self._take(hole, row)
+                moved += cache._move_to(hole, row)
         self.moved_bytes += moved
         return moved
+
+    def _ranked(self, capacity: int) -> list[Cohort]:
+        """Cohorts of ``capacity`` in the order rows are handed out (under the lock)."""
+        # Stable: among cohorts of equal rows, the oldest first.
+        return sorted(self._cohorts.get(capacity, []), key=lambda c: -c.rows)
 
     def free(self, cohort: Cohort, row: int, *, moved: bool = False) -> None:
         """Take a row back, zeroed; a cohort with no rows left is dropped (unmapped, or
@@ -589,26 +610,25 @@ class RowKvCache(KvState):
     def memory(self) -> MemoryInfo | None:
         return self.budget.memory() or self.storage.memory()
 
-    def _move_to(self, row: int) -> int:
-        """Move to ``row`` (claimed for it) of the same cohort; returns bytes copied.
-
-        Called by :meth:`CohortPool.compact` on the model thread; freeing the
-        old row afterwards synchronizes this thread's stream, so the copy has
-        landed before the next run.
-        """
-        cohort, old, n = self._cohort, self._row, self._valid_len
-        assert cohort is not None
+    def _move_to(self, cohort: Cohort, row: int) -> int:
+        """Move to ``row`` of ``cohort`` (of this capacity, claimed for it); returns bytes
+        copied. Called by :meth:`CohortPool.compact` on the model thread."""
+        old, old_row, n = self._cohort, self._row, self._valid_len
+        assert old is not None and old.capacity == cohort.capacity
         with self.storage.on_device():
-            for buf in cohort.keys + cohort.values:
-                buf[row, :, :n, :] = buf[old, :, :n, :]
+            for a, b in zip(old.keys + old.values, cohort.keys + cohort.values, strict=True):
+                b[row, :, :n, :] = a[old_row, :, :n, :]
             cohort.mask[row, :n] = 1
+            # Landed before the old row is zeroed or its cohort freed (and before
+            # the next run, on onnxruntime's own stream).
+            self.storage.synchronize()
         self.pool.settle(cohort, row, self)
-        self._row = row
+        self._cohort, self._row = cohort, row
         # The runner keys a binding (and its graph) by group and rows: a row
         # that moved must be re-captured before a graph is replayed on it.
         self.capture_valid = False
         self.capture_generation += 1
-        self.pool.free(cohort, old, moved=True)
+        self.pool.free(old, old_row, moved=True)
         return n * self.spec.kv_bytes_per_token
 
     # -- addresses for binding by pointer ----------------------------------
