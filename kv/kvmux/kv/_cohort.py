@@ -104,11 +104,12 @@ class CohortStorage(Protocol):
     def allocate(self, spec: KvSpec, capacity: int, rows: int) -> CohortBuffers: ...
 
     def on_device(self) -> AbstractContextManager[Any]:
-        """Make the storage's device current on this thread (growths run on other threads)."""
+        """Make the storage's device (and stream) current on this thread: growths run on
+        other threads than the model."""
         ...
 
     def synchronize(self) -> None:
-        """Wait until the work this thread issued (copies, zeroing) has landed."""
+        """Wait until the work issued inside :meth:`on_device` (copies, zeroing) has landed."""
         ...
 
     def memory(self) -> MemoryInfo | None:
@@ -490,10 +491,10 @@ class RowKvCache(KvState):
 
     Same contract as :class:`~kvmux.kv.ArrayKvCache` (capacity, valid length,
     mask), so the driver, the runner and the scheduler need not know which
-    layout they hold; the pool charges the budget. On a device, copies run on
-    the calling thread's current stream and are synchronized before the
-    primitive returns: a growth runs on another thread than the model, and the
-    next run must see the copied row.
+    layout they hold; the pool charges the budget. Copies run inside the
+    storage's :meth:`~CohortStorage.on_device` (on a device: its device and
+    stream) and are synchronized before the primitive returns: a growth runs
+    on another thread than the model, and the next run must see the copied row.
     """
 
     def __init__(self, pool: CohortPool, hard_max: HardMax) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -48,11 +49,18 @@ class CudaStorage:
 
     A cohort is one ``cupy.cuda.alloc`` (CuPy's current allocator, its memory
     pool by default, which on a refusal frees its cached blocks and retries
-    before raising ``OutOfMemoryError``, a ``MemoryError``), zeroed on the
-    current stream and synchronized before any row of it is handed out, and
-    carved into K, V and mask arrays by ``memptr`` offsets. Device memory is
-    held whole from allocation to free, so the pool charges the budget per
-    cohort (``per_row`` False).
+    before raising ``OutOfMemoryError``, a ``MemoryError``), zeroed and
+    synchronized before any row of it is handed out, and carved into K, V and
+    mask arrays by ``memptr`` offsets. Device memory is held whole from
+    allocation to free, so the pool charges the budget per cohort
+    (``per_row`` False).
+
+    Every copy and zeroing the pool issues, from whichever thread (growths,
+    the model thread's compaction, the event loop's releases), runs on one
+    non-blocking stream of this storage and is synchronized before the
+    primitive returns: so they are ordered among themselves, never wait on
+    onnxruntime's stream or another thread's default stream, and have landed
+    before a commit lets the model thread run the row.
     """
 
     per_row = False
@@ -66,6 +74,8 @@ class CudaStorage:
         self.xp: Any = cupy
         self.device_id = device_id
         self.source = f"cudaMemGetInfo (device {device_id})"
+        with cupy.cuda.Device(device_id):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
 
     def allocate(self, spec: KvSpec, capacity: int, rows: int) -> CohortBuffers:
         cupy = self.xp
@@ -80,19 +90,26 @@ class CudaStorage:
             raise MemoryError(f"cudaMalloc refused {nbytes} bytes: {exc}") from exc
         # Not zeroed by cudaMalloc: a row must read as zeros before its first
         # claim, and the claim may write it from another thread's stream.
-        base.memset_async(0, nbytes)
-        self.synchronize()
+        base.memset_async(0, nbytes, self.stream)
+        self.stream.synchronize()
 
         def view(offset: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
             return cupy.ndarray(shape, dtype=dtype, memptr=base + offset)
 
         return CarvedBuffers(spec, capacity, rows, view, base)
 
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        # CuPy keeps the current device and stream per thread, so threads may
+        # enter this at once; the stream belongs to this storage's device.
+        with self.xp.cuda.Device(self.device_id), self.stream:
+            yield
+
     def on_device(self) -> AbstractContextManager[Any]:
-        return self.xp.cuda.Device(self.device_id)  # type: ignore[no-any-return]
+        return self._on_device()
 
     def synchronize(self) -> None:
-        self.xp.cuda.get_current_stream().synchronize()
+        self.stream.synchronize()
 
     def memory(self) -> MemoryInfo | None:
         return cuda_memory(self.device_id)
