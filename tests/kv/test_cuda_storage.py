@@ -63,8 +63,9 @@ def test_device_growth_moves_the_row_keeping_bits() -> None:
         assert not got[:, 100:, :].any()
     mask = cupy.asnumpy(p.mask[p.row])
     assert mask[:100].tolist() == [1] * 100 and not mask[100:].any()
-    # Bound by pointer: the row's address is the cohort's plus row offsets.
-    assert cache.ptr(p.keys[0]) == p.keys[0].data.ptr
+    # Bound by pointer: the row's address is the cohort buffer's plus whole rows.
+    row_bytes = p.keys[0][0].nbytes
+    assert cache.ptr(p.keys[0]) + p.row * row_bytes == p.keys[0][p.row].data.ptr
     mem = cache.memory()
     assert mem is not None and mem.source.startswith("cudaMemGetInfo")
     neighbour.release()
