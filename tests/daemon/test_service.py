@@ -297,6 +297,7 @@ async def test_metrics_endpoint_serves_the_counters(tiny_model: Path, sock_dir: 
     assert samples["kvmux_tokens_generated_total"] == 40
     assert samples["kvmux_kv_growths_total"] >= 2
     assert samples["kvmux_kv_bytes_in_use"] == 0 and samples["kvmux_queue_depth"] == 0
+    assert samples["kvmux_kv_bytes_rows"] == 0
     assert samples['kvmux_kv_growth_failures_total{cause="budget"}'] == 0
     assert samples["kvmux_growth_lock_wait_seconds_count"] >= 2
     assert samples["kvmux_time_to_first_token_seconds_count"] == 1

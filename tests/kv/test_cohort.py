@@ -191,7 +191,9 @@ def test_compact_moves_rows_down_into_holes_leaving_others_in_place() -> None:
     caches[3].release()
     outsider = caches[4]  # growing, say: not handed to compact, so it must not move
     members = [caches[0], caches[2], caches[5]]
+    used = pool.budget.used
     moved = pool.compact(members)
+    assert pool.budget.used == used == 4 * 4 * SPEC.bytes_per_token  # a move keeps its charge
     assert [c.placement().row for c in members] == [0, 2, 1]
     assert outsider.placement().row == 4
     assert moved == 3 * SPEC.kv_bytes_per_token  # one row of 3 tokens

@@ -126,6 +126,13 @@ class _DaemonCollector(Collector):
         )
         yield gauge("kvmux_jobs_active", "Jobs with unfinished items", counts["jobs_active"])
         yield gauge("kvmux_kv_bytes_in_use", "KV cache bytes allocated", engine.budget.used)
+        # On CUDA the budget charges whole cohorts, rows in use or not: this is
+        # the part sessions hold, to set against it.
+        yield gauge(
+            "kvmux_kv_bytes_rows",
+            "KV bytes of the cohort rows sessions hold",
+            engine.pool.used_bytes(),
+        )
         yield gauge("kvmux_kv_budget_bytes", "kv.memory_budget (NaN: none)", engine.budget.total)
         yield counter("kvmux_kv_growths", "KV growths committed", coord.growths)
         yield counter("kvmux_kv_growth_bytes_copied", "Bytes copied by growths", coord.bytes_copied)

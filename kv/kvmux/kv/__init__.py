@@ -12,8 +12,18 @@ from ._backend import GrowthBackend, GrowthResult, KvCache
 from ._bucket import DEFAULT_MIN_BUCKET, MIN_BUCKET_ENV, capacity_bucket, resolve_min_bucket
 from ._budget import MemoryBudget, MemoryInfo, host_memory
 from ._buffers import ArrayKvCache, StagedBuffers
-from ._cohort import Cohort, CohortPool, RowKvCache, StagedRow
-from ._cuda import CudaKvCache, cuda_memory, cuda_unavailable_reason
+from ._cohort import (
+    CarvedBuffers,
+    Cohort,
+    CohortBuffers,
+    CohortPool,
+    CohortStorage,
+    HostStorage,
+    RowKvCache,
+    StagedRow,
+    carve,
+)
+from ._cuda import CudaStorage, cuda_memory, cuda_unavailable_reason
 from ._driver import classify_cause, ensure_capacity
 from ._errors import (
     BudgetExceeded,
@@ -35,14 +45,18 @@ __all__ = [
     "ArrayKvCache",
     "BudgetExceeded",
     "CapacityExceeded",
+    "CarvedBuffers",
     "Cohort",
+    "CohortBuffers",
     "CohortPool",
-    "CudaKvCache",
+    "CohortStorage",
+    "CudaStorage",
     "GrowthBackend",
     "GrowthFailed",
     "GrowthResult",
     "HardMax",
     "HostKvCache",
+    "HostStorage",
     "InjectedFault",
     "KvCache",
     "KvConfigError",
@@ -55,6 +69,7 @@ __all__ = [
     "StagedBuffers",
     "StagedRow",
     "capacity_bucket",
+    "carve",
     "classify_cause",
     "cuda_memory",
     "cuda_unavailable_reason",

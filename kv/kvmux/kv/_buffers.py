@@ -1,4 +1,4 @@
-"""One KV cache over any NumPy-like array module; the host and CUDA caches are its two instances."""
+"""One session's own KV buffers over any NumPy-like array module (HostKvCache is its instance)."""
 
 from __future__ import annotations
 

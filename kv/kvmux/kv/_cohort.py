@@ -4,20 +4,37 @@ A cohort is per-layer K and V buffers ``[rows, kv_heads, capacity, head_dim]``
 plus a mask ``[rows, capacity]``. A session's KV is one row; growing it moves
 it to a free row of the next bucket's cohort through the same transaction as
 any growth (:func:`kvmux.kv.ensure_capacity`): claim a row, copy the valid
-prefix, build the mask row, commit, free the old row.
+prefix, build the mask row, commit, free the old row. A freed row is zeroed
+and the next claim takes the lowest free row of the largest cohort.
 
-Rows never move while they hold a session: a freed row is left free and the
-next claim takes the lowest free row. Moving the last row into a hole (to keep
-active rows contiguous) would rewrite another session's row while a growth or
-a run may be using it; a runner instead decodes each contiguous span of ready
-rows in one run.
+Rows move in two cases only, each by the one thread that owns the row at that
+moment: a growth (to the next bucket's cohort), and :meth:`CohortPool.compact`,
+which the model thread calls between runs to move rows of sessions it is about
+to run into free rows of the same capacity that come first (a lower row, a
+larger cohort), so that the rows one run binds are adjacent. Either move
+invalidates the session's captured CUDA graph. A row held by anyone else is
+never touched.
 
-Memory follows the rows in use, not the cohort's row count: the buffers are
-reserved as anonymous mappings, whose pages the kernel backs only when a row
-is written, and a freed row's pages are handed back (``MADV_DONTNEED``, which
-also makes them read as zeros). So the budget charges exactly what a session
-of its own would (its capacity times bytes per token), and a growth's
-transient peak is one row: the old row plus the new one.
+Where the buffers live is a :class:`CohortStorage`: host memory (here) or a
+CUDA device (:class:`kvmux.kv.CudaStorage`). How the budget is charged follows
+what the storage really holds:
+
+- Host: buffers are anonymous mappings whose pages the kernel backs only where
+  a row is written, and a freed row's pages are handed back
+  (``MADV_DONTNEED``, which also makes them read as zeros). Memory follows the
+  rows in use, so the budget charges each claimed row (its capacity times
+  bytes per token), exactly what a session of its own would, and a growth's
+  transient peak is one row: the old row plus the new one.
+- Device: memory is held from allocation to free, so the budget charges each
+  cohort allocated, whole. To keep what is held but unused small, a new
+  cohort of a capacity has as many rows as that capacity already holds
+  (1, 1, 2, 4, ... up to the row limit): the rows double, like a growing
+  array, without moving anyone's row. Its row count is also kept within what
+  the budget has free, and a cohort the device (or budget) refuses is retried
+  at half the rows, down to one; so a growth fails only when a single row of
+  the new bucket cannot be had, and then its transient peak is one row too.
+  :meth:`CohortPool.allocated_bytes` and :meth:`CohortPool.used_bytes` report
+  held against used.
 """
 
 from __future__ import annotations
@@ -25,9 +42,10 @@ from __future__ import annotations
 import mmap
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,9 +58,67 @@ from ._spec import KvSpec
 
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 _RESERVED = object()  # a row claimed by a growth that has not committed
-# Address space, not memory; kept well under what a kernel with strict
-# overcommit (which ignores MAP_NORESERVE) may still grant.
+# Address space on the host, memory on a device; kept well under what a kernel
+# with strict overcommit (which ignores MAP_NORESERVE) may still grant.
 _MAX_RESERVED = 16 << 30
+# Offsets of the buffers carved from one device allocation: cudaMalloc aligns
+# to 256 bytes, and so does every buffer carved from it.
+_ALIGN = 256
+
+
+class CohortBuffers(Protocol):
+    """One cohort's buffers: per-layer K and V ``[rows, kv_heads, capacity, head_dim]``, a mask."""
+
+    keys: list[Any]
+    values: list[Any]
+    mask: Any
+
+    def clear_row(self, row: int) -> None:
+        """Zero one row of every buffer (issued on the current stream on a device)."""
+        ...
+
+
+class CohortStorage(Protocol):
+    """Where cohorts live: the allocation, device and stream primitives a pool needs.
+
+    ``per_row`` says how memory is held: True when it follows the rows in use
+    (the budget charges each claimed row), False when a cohort holds all its
+    memory from allocation to free (the budget charges each cohort).
+    ``allocate`` raises a ``MemoryError`` when the memory is refused (CuPy's
+    ``OutOfMemoryError`` is one).
+    """
+
+    @property
+    def xp(self) -> Any:
+        """The array module of the buffers (NumPy, CuPy)."""
+        ...
+
+    @property
+    def source(self) -> str:
+        """What :meth:`memory` measures, as errors name it."""
+        ...
+
+    @property
+    def per_row(self) -> bool: ...
+
+    def allocate(self, spec: KvSpec, capacity: int, rows: int) -> CohortBuffers: ...
+
+    def on_device(self) -> AbstractContextManager[Any]:
+        """Make the storage's device (and stream) current on this thread: growths run on
+        other threads than the model."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until the work issued inside :meth:`on_device` (copies, zeroing) has landed."""
+        ...
+
+    def memory(self) -> MemoryInfo | None:
+        """Free/total of the memory the buffers live in."""
+        ...
+
+    def ptr(self, array: Any) -> int:
+        """The address of one of this storage's arrays, to bind it by pointer."""
+        ...
 
 
 class _Lazy:
@@ -73,34 +149,130 @@ class _Lazy:
             self.bytes[start:end] = 0
 
 
-class Cohort:
-    """``rows`` rows of one capacity: the buffers one batched run binds."""
+class _HostBuffers:
+    """A cohort's buffers as lazily backed host mappings."""
 
     def __init__(self, spec: KvSpec, capacity: int, rows: int) -> None:
+        shape = (rows, spec.kv_heads, capacity, spec.head_dim)
+        dtype = spec.storage_dtype
+        self._maps = [_Lazy(shape, dtype) for _ in range(2 * spec.num_layers)]
+        self._maps.append(_Lazy((rows, capacity), np.dtype(spec.mask_dtype or "int64")))
+        arrays = [m.array for m in self._maps]
+        self.keys = arrays[: spec.num_layers]
+        self.values = arrays[spec.num_layers : 2 * spec.num_layers]
+        self.mask = arrays[-1]
+
+    def clear_row(self, row: int) -> None:
+        for m in self._maps:
+            m.clear_row(row)
+
+
+class HostStorage:
+    """Cohorts in host memory (onnxruntime's CPU provider binds them by pointer)."""
+
+    xp = np
+    source = "host"
+    per_row = True
+
+    def allocate(self, spec: KvSpec, capacity: int, rows: int) -> CohortBuffers:
+        return _HostBuffers(spec, capacity, rows)
+
+    def on_device(self) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def synchronize(self) -> None:
+        pass  # host copies are complete when they return
+
+    def memory(self) -> MemoryInfo | None:
+        return host_memory()
+
+    def ptr(self, array: Any) -> int:
+        return int(array.ctypes.data)
+
+
+class CarvedBuffers:
+    """A cohort's buffers carved from one allocation (a device's; or a test's NumPy bytes).
+
+    One allocation per cohort, so a cohort is had or refused whole. ``view``
+    makes an array of ``shape`` and ``dtype`` at a byte offset of the
+    allocation (CuPy: ``cupy.ndarray(shape, dtype, memptr=base + offset)``);
+    ``keep`` holds the allocation alive as long as the buffers are.
+    """
+
+    def __init__(
+        self,
+        spec: KvSpec,
+        capacity: int,
+        rows: int,
+        view: Callable[[int, tuple[int, ...], np.dtype[Any]], Any],
+        keep: object,
+    ) -> None:
+        layout = carve(spec, capacity, rows)
+        arrays = [view(offset, shape, dtype) for offset, shape, dtype in layout.buffers]
+        self.keys = arrays[: spec.num_layers]
+        self.values = arrays[spec.num_layers : 2 * spec.num_layers]
+        self.mask = arrays[-1]
+        self.keep = keep
+
+    def clear_row(self, row: int) -> None:
+        # Slicing assignment: a fill kernel on the current stream with CuPy.
+        for buf in (*self.keys, *self.values, self.mask):
+            buf[row] = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Byte offsets of a cohort's buffers within one allocation of ``nbytes``."""
+
+    nbytes: int
+    buffers: list[tuple[int, tuple[int, ...], np.dtype[Any]]]
+
+
+def carve(spec: KvSpec, capacity: int, rows: int) -> Layout:
+    """K of every layer, V of every layer, then the mask, each at a 256-byte boundary."""
+    kv_shape = (rows, spec.kv_heads, capacity, spec.head_dim)
+    mask_dtype = np.dtype(spec.mask_dtype or "int64")
+    shapes: list[tuple[tuple[int, ...], np.dtype[Any]]] = [(kv_shape, spec.storage_dtype)] * (
+        2 * spec.num_layers
+    )
+    shapes.append(((rows, capacity), mask_dtype))
+    offset, out = 0, []
+    for shape, dtype in shapes:
+        out.append((offset, shape, dtype))
+        size = int(np.prod(shape)) * dtype.itemsize
+        offset += -(-size // _ALIGN) * _ALIGN
+    return Layout(offset, out)
+
+
+class Cohort:
+    """``rows`` rows of one capacity: the buffers one batched run binds.
+
+    ``charge`` is what the budget was charged for the cohort itself (device
+    storage); host cohorts charge per row instead and carry 0.
+    """
+
+    def __init__(self, capacity: int, rows: int, buffers: CohortBuffers, charge: int = 0) -> None:
         self.capacity = capacity
         self.rows = rows
         self.group = new_group()
-        shape = (rows, spec.kv_heads, capacity, spec.head_dim)
-        dtype = spec.storage_dtype
-        self._k = [_Lazy(shape, dtype) for _ in range(spec.num_layers)]
-        self._v = [_Lazy(shape, dtype) for _ in range(spec.num_layers)]
-        self._mask = _Lazy((rows, capacity), np.dtype(spec.mask_dtype or "int64"))
-        self.keys = [b.array for b in self._k]
-        self.values = [b.array for b in self._v]
-        self.mask = self._mask.array
+        self.buffers = buffers
+        self.keys = buffers.keys
+        self.values = buffers.values
+        self.mask = buffers.mask
+        self.charge = charge
         self.slots: list[object | None] = [None] * rows
         self.used = 0
 
     def clear_row(self, row: int) -> None:
-        for buf in (*self._k, *self._v, self._mask):
-            buf.clear_row(row)
+        self.buffers.clear_row(row)
 
     def __repr__(self) -> str:
         return f"Cohort(capacity={self.capacity}, rows={self.used}/{self.rows})"
 
 
 class CohortPool:
-    """Per bucket capacity, cohorts of ``rows_per_cohort`` rows; hands rows out and takes them back.
+    """Per bucket capacity, cohorts of up to ``rows_per_cohort`` rows; hands rows out and takes
+    them back, and charges the budget for them (see the module's docstring).
 
     Thread-safe: growths claim rows on their own threads while the event loop
     releases finished sessions' rows.
@@ -110,6 +282,7 @@ class CohortPool:
         self,
         spec: KvSpec,
         *,
+        storage: CohortStorage | None = None,
         rows_per_cohort: int = 64,
         min_bucket: int | None = None,
         budget: MemoryBudget | None = None,
@@ -117,6 +290,8 @@ class CohortPool:
         if rows_per_cohort < 1:
             raise ValueError(f"rows_per_cohort must be >= 1, got {rows_per_cohort}")
         self.spec = spec
+        self.storage: CohortStorage = storage if storage is not None else HostStorage()
+        self.xp = self.storage.xp
         self.rows_per_cohort = rows_per_cohort
         self.min_bucket = resolve_min_bucket(min_bucket)
         self.budget = budget if budget is not None else MemoryBudget()
@@ -125,8 +300,8 @@ class CohortPool:
         self.moved_bytes = 0  # copied by compact(), for benchmarks
 
     def rows_for(self, capacity: int) -> int:
-        """Rows of a new cohort of ``capacity``: fewer for long buckets, so that one
-        cohort reserves at most ``_MAX_RESERVED`` bytes of address space."""
+        """The most rows of a cohort of ``capacity``: fewer for long buckets, so that one
+        cohort reserves at most ``_MAX_RESERVED`` bytes."""
         row = capacity * self.spec.bytes_per_token
         return max(1, min(self.rows_per_cohort, _MAX_RESERVED // row))
 
@@ -138,68 +313,165 @@ class CohortPool:
         with self._lock:
             return [c for cs in self._cohorts.values() for c in cs]
 
+    def allocated_bytes(self) -> int:
+        """Bytes of every cohort's rows, used or not: device memory held on a device,
+        address space reserved on the host."""
+        bpt = self.spec.bytes_per_token
+        return sum(c.rows * c.capacity * bpt for c in self.cohorts())
+
+    def used_bytes(self) -> int:
+        """Bytes of the rows sessions hold (claimed rows included)."""
+        bpt = self.spec.bytes_per_token
+        return sum(c.used * c.capacity * bpt for c in self.cohorts())
+
     def claim(self, capacity: int) -> tuple[Cohort, int]:
-        """The lowest free row of a cohort of ``capacity`` (a new cohort when all are full)."""
-        with self._lock:
-            for cohort in self._cohorts.get(capacity, []):
-                if cohort.used < cohort.rows:
-                    row = cohort.slots.index(None)
-                    cohort.slots[row] = _RESERVED
-                    cohort.used += 1
-                    return cohort, row
-        # Mapping is outside the lock; another claim may map one too, harmlessly.
-        cohort = Cohort(self.spec, capacity, self.rows_for(capacity))
-        with self._lock:
-            cohort.slots[0] = _RESERVED
-            cohort.used = 1
-            self._cohorts.setdefault(capacity, []).append(cohort)
-        return cohort, 0
+        """A free row of a cohort of ``capacity`` (a new cohort when all are full), charged.
+
+        Raises what the budget or the storage raised (``BudgetExceeded``, a
+        device's ``OutOfMemoryError``), having charged and claimed nothing.
+        """
+        row_bytes = capacity * self.spec.bytes_per_token
+        per_row = self.storage.per_row
+        if per_row:
+            self.budget.reserve(row_bytes)
+        try:
+            with self._lock:
+                # The largest cohort first: the more rows share one, the more one run decodes.
+                for cohort in self._ranked(capacity):
+                    if cohort.used < cohort.rows:
+                        return cohort, self._take(cohort, cohort.slots.index(None))
+                held = sum(c.rows for c in self._cohorts.get(capacity, []))
+            # Allocated outside the lock; another claim may allocate one too, harmlessly.
+            cohort = self._new_cohort(capacity, held)
+            with self._lock:
+                self._cohorts.setdefault(capacity, []).append(cohort)
+                return cohort, self._take(cohort, 0)
+        except BaseException:
+            if per_row:
+                self.budget.release(row_bytes)
+            raise
+
+    @staticmethod
+    def _take(cohort: Cohort, row: int) -> int:
+        cohort.slots[row] = _RESERVED
+        cohort.used += 1
+        return row
+
+    def _new_cohort(self, capacity: int, held: int) -> Cohort:
+        rows = self.rows_for(capacity)
+        row_bytes = capacity * self.spec.bytes_per_token
+        if not self.storage.per_row:
+            rows = min(rows, max(held, 1))
+            free = self.budget.free
+            if free is not None:
+                rows = max(1, min(rows, free // row_bytes))
+        while True:
+            charge = 0 if self.storage.per_row else rows * row_bytes
+            charged = False
+            try:
+                self.budget.reserve(charge)
+                charged = True
+                with self.storage.on_device():
+                    buffers = self.storage.allocate(self.spec, capacity, rows)
+            except BaseException as exc:
+                if charged:
+                    self.budget.release(charge)
+                # Refused (by the device, or the budget another growth just
+                # charged): fewer rows may still fit. One row refused is the answer.
+                if rows == 1 or not isinstance(exc, MemoryError):  # BudgetExceeded is one
+                    raise
+                rows //= 2
+                continue
+            return Cohort(capacity, rows, buffers, charge)
 
     def settle(self, cohort: Cohort, row: int, owner: object) -> None:
         with self._lock:
             cohort.slots[row] = owner
 
     def compact(self, caches: Sequence[RowKvCache]) -> int:
-        """Move rows of ``caches`` down into free rows below them; returns bytes moved.
+        """Move rows of ``caches`` into free rows that come before theirs; returns bytes moved.
 
-        The caller guarantees that no run and no growth is using these caches
-        (the model thread, between runs, over sessions that are not growing), so
-        their rows can move; other rows are never touched. Afterwards the rows
-        of ``caches`` that share a cohort sit as low, and so as adjacent, as the
-        rows held by others allow: one run binds them together.
+        Rows of one capacity come in the order claims fill them: the largest
+        cohort first (the oldest among equals), and within a cohort the lowest
+        row. The caller guarantees that no run and no growth is using these
+        caches (the model thread, between runs, over sessions that are not
+        growing), so their rows can move; other rows are never touched.
+        Afterwards the rows of ``caches`` of one capacity sit in as few cohorts,
+        as low, and so as adjacent, as the rows held by others allow: one run
+        binds them together. A cohort left empty is dropped, which on a device
+        frees the small cohorts that a bucket's first sessions opened.
         """
-        by_cohort: dict[int, list[RowKvCache]] = {}
+        by_capacity: dict[int, list[RowKvCache]] = {}
         for c in caches:
             if c._cohort is not None:
-                by_cohort.setdefault(id(c._cohort), []).append(c)
+                by_capacity.setdefault(c._cohort.capacity, []).append(c)
         moved = 0
-        for members in by_cohort.values():
-            members.sort(key=lambda c: c._row, reverse=True)
-            cohort = members[0]._cohort
-            assert cohort is not None
+        for capacity, members in by_capacity.items():
+            with self._lock:
+                rank = {id(c): i for i, c in enumerate(self._ranked(capacity))}
+
+            def place(
+                cohort: Cohort | None, row: int, rank: dict[int, int] = rank
+            ) -> tuple[int, int]:
+                # A cohort opened meanwhile (by a growth) ranks last.
+                return rank.get(id(cohort), len(rank)), row
+
+            # The worst placed first: once no free row beats it, none beats the rest.
+            members.sort(key=lambda c: place(c._cohort, c._row), reverse=True)
             for cache in members:
                 with self._lock:
-                    if None not in cohort.slots[: cache._row]:
+                    hole = next((c for c in self._ranked(capacity) if c.used < c.rows), None)
+                    if hole is None:
                         break
-                    hole = cohort.slots.index(None)
-                    cohort.slots[hole] = _RESERVED
-                    cohort.used += 1
-                moved += cache._move_to(hole)
+                    row = hole.slots.index(None)
+                    if place(hole, row) >= place(cache._cohort, cache._row):
+                        break
+                    self._take(hole, row)
+                moved += cache._move_to(hole, row)
         self.moved_bytes += moved
         return moved
 
-    def free(self, cohort: Cohort, row: int) -> None:
-        """Zero a row and take it back; a cohort with no rows left is unmapped."""
-        cohort.clear_row(row)
+    def _ranked(self, capacity: int) -> list[Cohort]:
+        """Cohorts of ``capacity`` in the order rows are handed out (under the lock)."""
+        # Stable: among cohorts of equal rows, the oldest first.
+        return sorted(self._cohorts.get(capacity, []), key=lambda c: -c.rows)
+
+    def free(self, cohort: Cohort, row: int, *, moved: bool = False) -> None:
+        """Take a row back, zeroed; a cohort with no rows left is dropped (unmapped, or
+        its device memory freed) and its charge released. ``moved``: the row's session
+        moved to another row of the same capacity, which keeps the row's charge."""
         with self._lock:
+            last = cohort.used == 1
+            if last:
+                # Nobody can claim a row of it any more: no need to zero this one.
+                self._drop(cohort, row)
+        if not last:
+            with self.storage.on_device():
+                cohort.clear_row(row)
+                # The zeroing must land before the row is handed out: the next
+                # claim may write it from another thread's stream.
+                self.storage.synchronize()
+            with self._lock:
+                cohort.slots[row] = None
+                cohort.used -= 1
+                if cohort.used == 0:  # the other rows left meanwhile
+                    self._drop(cohort, None)
+                    last = True
+        if self.storage.per_row and not moved:
+            self.budget.release(cohort.capacity * self.spec.bytes_per_token)
+        if last:
+            self.budget.release(cohort.charge)
+
+    def _drop(self, cohort: Cohort, row: int | None) -> None:
+        # Under the lock.
+        if row is not None:
             cohort.slots[row] = None
             cohort.used -= 1
-            if cohort.used == 0:
-                siblings = self._cohorts.get(cohort.capacity, [])
-                if cohort in siblings:
-                    siblings.remove(cohort)
-                if not siblings:
-                    self._cohorts.pop(cohort.capacity, None)
+        siblings = self._cohorts.get(cohort.capacity, [])
+        if cohort in siblings:
+            siblings.remove(cohort)
+        if not siblings:
+            self._cohorts.pop(cohort.capacity, None)
 
 
 @dataclass(slots=True)
@@ -218,17 +490,19 @@ class RowKvCache(KvState):
     """One session's KV as a row of a :class:`Cohort`; a :class:`~kvmux.kv.GrowthBackend`.
 
     Same contract as :class:`~kvmux.kv.ArrayKvCache` (capacity, valid length,
-    mask, budget charge of capacity times bytes per token), so the driver, the
-    runner and the scheduler need not know which layout they hold.
+    mask), so the driver, the runner and the scheduler need not know which
+    layout they hold; the pool charges the budget. Copies run inside the
+    storage's :meth:`~CohortStorage.on_device` (on a device: its device and
+    stream) and are synchronized before the primitive returns: a growth runs
+    on another thread than the model, and the next run must see the copied row.
     """
-
-    memory_source = "host"
-    xp = np
 
     def __init__(self, pool: CohortPool, hard_max: HardMax) -> None:
         self.pool = pool
         self.spec = pool.spec
         self.budget = pool.budget
+        self.storage = pool.storage
+        self.xp = pool.xp
         self._hard_max = hard_max
         self._min_bucket = pool.min_bucket
         self._cohort: Cohort | None = None
@@ -238,6 +512,10 @@ class RowKvCache(KvState):
         self._nbytes = 0
         self.capture_generation = 0
         self.capture_valid = False
+
+    @property
+    def memory_source(self) -> str:
+        return self.storage.source
 
     @property
     def keys(self) -> list[Any]:
@@ -251,7 +529,7 @@ class RowKvCache(KvState):
     def mask(self) -> Any:
         """This row's mask, ``[1, capacity]``."""
         if self._cohort is None:
-            return np.zeros((1, 0), dtype=self.spec.mask_dtype or "int64")
+            return self.xp.zeros((1, 0), dtype=self.spec.mask_dtype or "int64")
         return self._cohort.mask[self._row : self._row + 1]
 
     def placement(self) -> Placement:
@@ -261,6 +539,8 @@ class RowKvCache(KvState):
         return Placement(c.group, self._row, c.rows, c.capacity, c.keys, c.values, c.mask)
 
     # -- the session's own bookkeeping ------------------------------------
+    # advance/truncate run on the model thread; the runner synchronizes its
+    # stream before each run, so their mask writes need no synchronize here.
     def advance(self, n: int) -> None:
         end = self._valid_len + n
         if n < 0 or end > self._capacity or self._cohort is None:
@@ -280,7 +560,6 @@ class RowKvCache(KvState):
     def release(self) -> None:
         if self._cohort is not None:
             self.pool.free(self._cohort, self._row)
-        self.budget.release(self._nbytes)
         self._cohort = None
         self._capacity = self._valid_len = self._nbytes = 0
         self.capture_valid = False
@@ -288,35 +567,33 @@ class RowKvCache(KvState):
 
     # -- growth primitives -----------------------------------------------
     def allocate(self, new_capacity: int) -> StagedRow:
-        nbytes = new_capacity * self.spec.bytes_per_token
-        self.budget.reserve(nbytes)
-        try:
-            cohort, row = self.pool.claim(new_capacity)
-        except BaseException:
-            self.budget.release(nbytes)
-            raise
-        return StagedRow(new_capacity, cohort, row, nbytes)
+        cohort, row = self.pool.claim(new_capacity)
+        return StagedRow(new_capacity, cohort, row, new_capacity * self.spec.bytes_per_token)
 
     def copy_prefix(self, staged: StagedRow) -> int:
         n = self._valid_len
         old = self._cohort
         if n and old is not None:
             src, dst = self._row, staged.row
-            for a, b in zip(
-                old.keys + old.values, staged.cohort.keys + staged.cohort.values, strict=True
-            ):
-                b[dst, :, :n, :] = a[src, :, :n, :]
+            with self.storage.on_device():
+                for a, b in zip(
+                    old.keys + old.values, staged.cohort.keys + staged.cohort.values, strict=True
+                ):
+                    b[dst, :, :n, :] = a[src, :, :n, :]
+                self.storage.synchronize()
         staged.bytes_copied = n * self.spec.kv_bytes_per_token
         return staged.bytes_copied
 
     def build_mask(self, staged: StagedRow) -> None:
-        staged.cohort.mask[staged.row, : self._valid_len] = 1
+        with self.storage.on_device():
+            staged.cohort.mask[staged.row, : self._valid_len] = 1
+            self.storage.synchronize()
 
     def invalidate_capture(self) -> None:
         self.capture_valid = False
 
     def commit(self, staged: StagedRow) -> None:
-        old, old_row, old_nbytes = self._cohort, self._row, self._nbytes
+        old, old_row = self._cohort, self._row
         self.pool.settle(staged.cohort, staged.row, self)
         self._cohort, self._row = staged.cohort, staged.row
         self._capacity = staged.capacity
@@ -325,34 +602,39 @@ class RowKvCache(KvState):
         staged.released = True
         if old is not None:
             self.pool.free(old, old_row)
-        self.budget.release(old_nbytes)
 
     def discard(self, staged: StagedRow) -> None:
         if not staged.released:
             staged.released = True
             self.pool.free(staged.cohort, staged.row)
-            self.budget.release(staged.nbytes)
 
     def memory(self) -> MemoryInfo | None:
-        return self.budget.memory() or host_memory()
+        return self.budget.memory() or self.storage.memory()
 
-    def _move_to(self, row: int) -> int:
-        """Move to ``row`` (claimed for it) of the same cohort; returns bytes copied."""
-        cohort, old, n = self._cohort, self._row, self._valid_len
-        assert cohort is not None
-        for buf in cohort.keys + cohort.values:
-            buf[row, :, :n, :] = buf[old, :, :n, :]
-        cohort.mask[row, :n] = 1
+    def _move_to(self, cohort: Cohort, row: int) -> int:
+        """Move to ``row`` of ``cohort`` (of this capacity, claimed for it); returns bytes
+        copied. Called by :meth:`CohortPool.compact` on the model thread."""
+        old, old_row, n = self._cohort, self._row, self._valid_len
+        assert old is not None and old.capacity == cohort.capacity
+        with self.storage.on_device():
+            for a, b in zip(old.keys + old.values, cohort.keys + cohort.values, strict=True):
+                b[row, :, :n, :] = a[old_row, :, :n, :]
+            cohort.mask[row, :n] = 1
+            # Landed before the old row is zeroed or its cohort freed (and before
+            # the next run, on onnxruntime's own stream).
+            self.storage.synchronize()
         self.pool.settle(cohort, row, self)
-        self._row = row
+        self._cohort, self._row = cohort, row
+        # The runner keys a binding (and its graph) by group and rows: a row
+        # that moved must be re-captured before a graph is replayed on it.
         self.capture_valid = False
         self.capture_generation += 1
-        self.pool.free(cohort, old)
+        self.pool.free(old, old_row, moved=True)
         return n * self.spec.kv_bytes_per_token
 
     # -- addresses for binding by pointer ----------------------------------
     def ptr(self, array: Any) -> int:
-        return int(array.ctypes.data)
+        return self.storage.ptr(array)
 
     def __repr__(self) -> str:
         return (

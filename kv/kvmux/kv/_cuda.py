@@ -1,18 +1,24 @@
-"""The CUDA backend: KV buffers in CuPy device memory, bound to onnxruntime by pointer."""
+"""CUDA storage for cohorts: one CuPy allocation per cohort, bound to onnxruntime by pointer."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from ._budget import MemoryBudget, MemoryInfo
-from ._buffers import ArrayKvCache, StagedBuffers
+import numpy as np
+
+from ._budget import MemoryInfo
+from ._cohort import CarvedBuffers, CohortBuffers, carve
 from ._errors import KvConfigError
-from ._hardmax import HardMax
 from ._spec import KvSpec
+
+# cudaErrorMemoryAllocation: what a raw cudaMalloc says when the device refuses.
+_CUDA_ERROR_MEMORY_ALLOCATION = 2
 
 
 def cuda_unavailable_reason() -> str | None:
-    """Why :class:`CudaKvCache` cannot run here, or None when it can.
+    """Why CUDA storage cannot run here, or None when it can.
 
     Importing CuPy succeeds without a driver; only a device query tells.
     """
@@ -38,56 +44,74 @@ def cuda_memory(device_id: int) -> MemoryInfo:
     return MemoryInfo(int(free), int(total), f"cudaMemGetInfo (device {device_id})")
 
 
-class CudaKvCache(ArrayKvCache):
-    """KV buffers in CuPy device memory; prefix copies are device-to-device.
+class CudaStorage:
+    """Cohorts in one device's memory: a :class:`~kvmux.kv.CohortStorage` over CuPy.
 
-    CuPy's ``OutOfMemoryError`` is a ``MemoryError``, so the shared driver
-    translates a device refusal into :class:`~kvmux.kv.GrowthFailed` like any
-    other allocation failure.
+    A cohort is one ``cupy.cuda.alloc`` (CuPy's current allocator, its memory
+    pool by default, which on a refusal frees its cached blocks and retries
+    before raising ``OutOfMemoryError``, a ``MemoryError``), zeroed and
+    synchronized before any row of it is handed out, and carved into K, V and
+    mask arrays by ``memptr`` offsets. Device memory is held whole from
+    allocation to free, so the pool charges the budget per cohort
+    (``per_row`` False).
+
+    Every copy and zeroing the pool issues, from whichever thread (growths,
+    the model thread's compaction, the event loop's releases), runs on one
+    non-blocking stream of this storage and is synchronized before the
+    primitive returns: so they are ordered among themselves, never wait on
+    onnxruntime's stream or another thread's default stream, and have landed
+    before a commit lets the model thread run the row.
     """
 
-    def __init__(
-        self,
-        spec: KvSpec,
-        hard_max: HardMax,
-        *,
-        device_id: int = 0,
-        min_bucket: int | None = None,
-        budget: MemoryBudget | None = None,
-    ) -> None:
+    per_row = False
+
+    def __init__(self, device_id: int = 0) -> None:
         reason = cuda_unavailable_reason()
         if reason is not None:
-            raise KvConfigError(f"CudaKvCache is unavailable: {reason}")
+            raise KvConfigError(f"CUDA KV storage is unavailable: {reason}")
         import cupy
 
+        self.xp: Any = cupy
         self.device_id = device_id
-        self._cupy: Any = cupy
+        self.source = f"cudaMemGetInfo (device {device_id})"
         with cupy.cuda.Device(device_id):
-            super().__init__(spec, hard_max, xp=cupy, min_bucket=min_bucket, budget=budget)
+            self.stream = cupy.cuda.Stream(non_blocking=True)
 
-    # The daemon grows sessions on a thread other than the one that runs the
-    # model, so every primitive names its device, and the copy is complete
-    # before the driver commits: the next run may read the buffers from
-    # onnxruntime's own stream.
-    def allocate(self, new_capacity: int) -> Any:
-        with self._cupy.cuda.Device(self.device_id):
-            return super().allocate(new_capacity)
+    def allocate(self, spec: KvSpec, capacity: int, rows: int) -> CohortBuffers:
+        cupy = self.xp
+        nbytes = carve(spec, capacity, rows).nbytes
+        try:
+            base = cupy.cuda.alloc(nbytes)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            # An allocator set to raw cudaMalloc reports a refusal as a runtime
+            # error; it is the same refusal as the pool's OutOfMemoryError.
+            if getattr(exc, "status", None) != _CUDA_ERROR_MEMORY_ALLOCATION:
+                raise
+            raise MemoryError(f"cudaMalloc refused {nbytes} bytes: {exc}") from exc
+        # Not zeroed by cudaMalloc: a row must read as zeros before its first
+        # claim, and the claim may write it from another thread's stream.
+        base.memset_async(0, nbytes, self.stream)
+        self.stream.synchronize()
 
-    def copy_prefix(self, staged: StagedBuffers) -> int:
-        with self._cupy.cuda.Device(self.device_id):
-            copied = super().copy_prefix(staged)
-            self._cupy.cuda.get_current_stream().synchronize()
-        return copied
+        def view(offset: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
+            return cupy.ndarray(shape, dtype=dtype, memptr=base + offset)
 
-    def build_mask(self, staged: StagedBuffers) -> None:
-        with self._cupy.cuda.Device(self.device_id):
-            super().build_mask(staged)
-            self._cupy.cuda.get_current_stream().synchronize()
+        return CarvedBuffers(spec, capacity, rows, view, base)
+
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        # CuPy keeps the current device and stream per thread, so threads may
+        # enter this at once; the stream belongs to this storage's device.
+        with self.xp.cuda.Device(self.device_id), self.stream:
+            yield
+
+    def on_device(self) -> AbstractContextManager[Any]:
+        return self._on_device()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
 
     def memory(self) -> MemoryInfo | None:
-        budget = self.budget.memory()
-        if budget is not None:
-            return budget
         return cuda_memory(self.device_id)
 
     def ptr(self, array: Any) -> int:

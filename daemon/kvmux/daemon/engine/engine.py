@@ -13,7 +13,7 @@ import structlog
 
 from kvmux.kv import (
     CohortPool,
-    CudaKvCache,
+    CudaStorage,
     HardMax,
     KvCache,
     KvSpec,
@@ -93,11 +93,12 @@ class EngineOptions:
 class Engine:
     """Loads a model folder, creates :class:`DecodeSession` objects on it and steps them.
 
-    On CPU a session's KV is a row of a cohort (:class:`~kvmux.kv.CohortPool`,
-    one per bucket capacity), so the ready sessions of one bucket decode in one
-    run; with the CUDA provider each session has its own
-    :class:`~kvmux.kv.CudaKvCache` (a cohort of one), bound by device pointer.
-    Every session's KV is charged to one :class:`~kvmux.kv.MemoryBudget`.
+    A session's KV is a row of a cohort (:class:`~kvmux.kv.CohortPool`, cohorts
+    per bucket capacity), so the ready sessions of one bucket decode in one
+    run: in host memory on CPU, in device memory (:class:`~kvmux.kv.CudaStorage`,
+    bound by device pointer) with the CUDA provider. Every session's KV is
+    charged to one :class:`~kvmux.kv.MemoryBudget`: per row in use on the host,
+    per cohort allocated on a device (whose memory is not lazily backed).
     """
 
     def __init__(
@@ -159,20 +160,16 @@ class Engine:
         self.budget = budget if budget is not None else MemoryBudget()
         self.pool = CohortPool(
             self.kv_spec,
+            storage=CudaStorage(self.device_id) if self.on_cuda else None,
             rows_per_cohort=self.options.rows_per_cohort,
             min_bucket=self.min_bucket,
             budget=self.budget,
         )
         self._ids = itertools.count(1)
-        xp: Any = np
-        if self.on_cuda:
-            import cupy
-
-            xp = cupy
         self.runner = ModelRunner(
             self.ort,
             self.spec,
-            xp=xp,
+            xp=self.pool.xp,
             device="cuda" if self.on_cuda else "cpu",
             device_id=self.device_id,
             graphs=self.graphs_enabled,
@@ -240,14 +237,6 @@ class Engine:
             raise BadPrompt(str(exc), {"chat_template": self.chat_template.origin}) from exc
 
     def new_cache(self, hard_max: HardMax) -> KvCache:
-        if self.on_cuda:
-            return CudaKvCache(
-                self.kv_spec,
-                hard_max,
-                device_id=self.device_id,
-                min_bucket=self.min_bucket,
-                budget=self.budget,
-            )
         return self.pool.new_cache(hard_max)
 
     def admit(
