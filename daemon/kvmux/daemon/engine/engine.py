@@ -338,9 +338,10 @@ class Engine:
     def _rows(self, fed: Sequence[tuple[int, DecodeSession, list[int]]]) -> list[RowInput]:
         """The step's rows, each with its placement read once for planning and binding.
 
-        Rows freed by sessions that left are filled by moving the highest decode
-        rows down, so the rows that run together stay adjacent; while they are
-        adjacent already (the steady state) nothing is moved or even looked at.
+        Rows freed by sessions that left are filled by moving decode rows into
+        them (across the cohorts of one bucket too), so the rows that run together
+        stay adjacent; while every bucket's decode rows are one span already (the
+        steady state) nothing is moved or even looked at.
         """
         places = [s.cache.placement() for _, s, _ in fed]
         decode = [
@@ -348,7 +349,7 @@ class Engine:
             for k, (_, s, tokens) in enumerate(fed)
             if len(tokens) == 1 and isinstance(s.cache, RowKvCache)
         ]
-        if len(decode) > 1 and not _one_span_per_group([places[k] for k, _ in decode]):
+        if len(decode) > 1 and not _one_span_per_bucket([places[k] for k, _ in decode]):
             self.pool.compact([cache for _, cache in decode])
             places = [s.cache.placement() for _, s, _ in fed]
         return [
@@ -405,13 +406,16 @@ class Engine:
         )
 
 
-def _one_span_per_group(places: Sequence[Placement]) -> bool:
-    """Whether the rows of each group are adjacent (one run can bind them together)."""
-    spans: dict[int, tuple[int, int, int]] = {}
+def _one_span_per_bucket(places: Sequence[Placement]) -> bool:
+    """Whether the rows of each bucket capacity are adjacent rows of one group (one run
+    binds them all); rows of one bucket spread over two cohorts can be moved together."""
+    spans: dict[int, tuple[int, int, int, int]] = {}
     for p in places:
-        lo, hi, n = spans.get(p.group, (p.row, p.row, 0))
-        spans[p.group] = (min(lo, p.row), max(hi, p.row), n + 1)
-    return all(hi - lo + 1 == n for lo, hi, n in spans.values())
+        group, lo, hi, n = spans.get(p.capacity, (p.group, p.row, p.row, 0))
+        if group != p.group:
+            return False
+        spans[p.capacity] = (group, min(lo, p.row), max(hi, p.row), n + 1)
+    return all(hi - lo + 1 == n for _, lo, hi, n in spans.values())
 
 
 def _going(out: StepOutput | Exception) -> bool:
