@@ -211,6 +211,31 @@ async def test_a_journaled_open_job_comes_back_open_and_takes_the_rest(
         assert r.token_ids == decode_alone(reference, item)
 
 
+async def test_a_drain_does_not_wait_for_an_open_job_with_nothing_to_decode(
+    tiny_model: Path, state: Path
+) -> None:
+    cfg = make_config(
+        tiny_model,
+        state,
+        jobs={"journal": str(state / "jobs.sqlite3")},
+        shutdown={"grace": 30.0},
+    )
+    async with running(cfg) as daemon, connected(daemon) as client:
+        job = await client.submit([_item(0)], more=True)
+        with anyio.fail_after(20):
+            async for ev in job.events():
+                if isinstance(ev, p.ItemFinished):
+                    break
+        job_id = job.job_id
+        await client.detach(job_id)  # else it ends with this client
+        stopping = anyio.current_time()
+    # The block's exit is the drain: its items are done, only more may come.
+    assert anyio.current_time() - stopping < 5.0
+    async with running(cfg) as daemon, connected(daemon) as client:
+        job = await client.attach(job_id)
+        assert (job.total, job.finished) == (1, False)
+
+
 async def test_an_abandoned_open_job_is_closed_and_finishes_with_what_it_has(
     tiny_model: Path, sock_dir: Path
 ) -> None:

@@ -270,15 +270,20 @@ class Daemon:
         grace = self.config.shutdown.grace
         # A warning: unfinished items may end (or wait for a restart) because of it.
         log.warning("daemon_draining", grace_seconds=grace, **scheduler.counts())
+        # Items, not jobs: an open job waiting for more items has nothing to
+        # finish (journaled, it comes back open; else it ends with the rest).
         with anyio.move_on_after(grace):
-            while not scheduler.idle:
+            while _has_items(scheduler):
                 await anyio.sleep(0.05)
-        if not scheduler.idle and self.journal is not None:
+        if self.journal is not None:
             # Nothing is failed: what did not finish stays in the journal and
             # runs when kvmuxd is back; clients wait for it and re-attach.
-            log.warning(
-                "daemon_stopping_with_work", journal=str(self.journal.path), **scheduler.counts()
-            )
+            if _has_items(scheduler):
+                log.warning(
+                    "daemon_stopping_with_work",
+                    journal=str(self.journal.path),
+                    **scheduler.counts(),
+                )
         elif not scheduler.idle:
             scheduler.cancel_all(
                 ShuttingDown(
@@ -351,3 +356,9 @@ class Daemon:
             clients_disconnected=self.server.disconnected if self.server else 0,
             replies_dropped=self.server.lost_replies if self.server else 0,
         )
+
+
+def _has_items(scheduler: Scheduler) -> bool:
+    """Whether items are queued, decoding or parked (what a drain waits for)."""
+    c = scheduler.counts()
+    return c["sessions_active"] + c["sessions_queued"] + c["sessions_parked"] > 0
