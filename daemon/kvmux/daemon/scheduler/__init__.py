@@ -9,10 +9,14 @@ growth coordinator, and steps every other ready session — prefill in chunks
 of ``prefill_chunk`` tokens, decode one token, or a few decode tokens while
 nothing can change the ready set — in a single call to the engine's worker
 thread. A failure inside one session ends that item alone.
+
+What a refused growth means (wait, retry, preempt, fail) is the growth
+coordinator's policy (:mod:`kvmux.daemon.coordinator`); the loop carries out
+its verdicts.
 """
 
 from ._admission import item_params, item_prompt
-from ._jobs import ItemState, JobState
+from ._jobs import ItemState, JobState, Phase
 from ._scheduler import Scheduler
 
-__all__ = ["ItemState", "JobState", "Scheduler", "item_params", "item_prompt"]
+__all__ = ["ItemState", "JobState", "Phase", "Scheduler", "item_params", "item_prompt"]

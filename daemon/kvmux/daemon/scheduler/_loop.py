@@ -1,17 +1,7 @@
 """The turn loop. One loop owns all session state: sessions are only ever
 released by it, between turns, when no step is in flight, so nothing needs a
 lock but growth. A turn is a function of the *set* of ready sessions, so
-batching them into one model run is a change to the engine, not to the loop.
-
-Under ``on_growth_failure = "wait"`` with a ``kv.memory_budget``, an item
-whose KV fits the budget on its own always finishes: new sessions start only
-while the budget can carry the active ones through their next growth, a
-refused growth parks its session until memory is freed, and when every
-session is parked the newest is preempted — its KV released, the item put
-back at the head of the queue and decoded again from the start later, its
-already-sent tokens not sent twice (decoding is deterministic for a given
-seed, so the replay produces the very same tokens).
-"""
+batching them into one model run is a change to the engine, not to the loop."""
 
 from __future__ import annotations
 
@@ -24,11 +14,11 @@ import anyio.abc
 import structlog
 
 from kvmux.client.protocol import ItemFinished, ItemResult, ItemStarted, JobFinished, TokenDelta
-from kvmux.kv import GrowthFailed, GrowthResult, capacity_bucket
+from kvmux.kv import GrowthFailed, GrowthResult
 
 from ..config import JobsConfig, SchedulerConfig
-from ..coordinator import GrowthCoordinator
-from ..engine import Admission, DecodeSession, Engine, StepOutput
+from ..coordinator import Fail, Grew, GrowthCoordinator, Park, Preempt, Verdict
+from ..engine import DecodeSession, Engine, StepOutput
 from ..journal import Journal
 from ..metrics import Metrics
 from ..worker import EngineWorker
@@ -63,6 +53,7 @@ class TurnLoop:
         self.engine = engine
         self.worker = worker
         self.coordinator = coordinator
+        coordinator.adopt(engine, cfg)
         self.cfg = cfg
         self.jobs = JobTable(jobs_cfg)
         self.queue = FairQueue()
@@ -169,72 +160,27 @@ class TurnLoop:
             elif state.phase == "failing":
                 assert state.failure is not None
                 self._finish(state, error=state.failure)
-        parked = [s for s in self._active if s.phase == "parked"]
-        if parked and not any(s.phase in ("active", "growing") for s in self._active):
-            # Nobody left who could free memory: waiting would never end. The
-            # newest parked session makes room for the older ones: preempted
-            # (decoded again later) when it can ever fit, else failed.
-            victim = max(parked, key=lambda s: s.admitted_seq)
-            if len(parked) > 1 and self._fits_alone(victim):
+        match self.coordinator.stalled(self._active):
+            case Preempt(victim=victim):
                 self._preempt(victim)
                 self._unpark()
-            else:
-                self._finish(victim, error=victim.failure or _stuck(victim))
-
-    # -- memory arithmetic (only with an explicit kv.memory_budget) --------------------
-    def _bucket_bytes(self, tokens: int, admission: Admission) -> int:
-        bucket = capacity_bucket(max(tokens, 1), admission.hard_max.value, self.engine.min_bucket)
-        return bucket * self.engine.kv_spec.bytes_per_token
-
-    def _fits_alone(self, state: ItemState) -> bool:
-        """Whether the item's whole decode fits the budget with no other session:
-        its last bucket and the one before it (a growth holds both)."""
-        total = self.engine.budget.total
-        admission = state.admission
-        if total is None or admission is None:
-            return True
-        prompt = len(admission.prompt_ids)
-        first = self._bucket_bytes(prompt, admission)
-        final = self._bucket_bytes(prompt + admission.sampling.max_new_tokens, admission)
-        peak = final + max(first, final // 2) if final > first else final
-        return peak <= total
-
-    def _growth_reserve(self) -> int:
-        """Bytes the active sessions need on top of what they hold to each make their
-        next growth (growths are serialized: all the growths' net gains plus the
-        largest transient old buffer)."""
-        gains, largest = 0, 0
-        for state in self._active:
-            session = state.session
-            if session is None or state.admission is None:
-                continue
-            now = session.kv_bytes
-            gains += max(self._bucket_bytes(session.capacity + 1, state.admission) - now, 0)
-            largest = max(largest, now)
-        return gains + largest
+            case Fail(victim=victim, error=error):
+                self._finish(victim, error=error)
+            case None:
+                pass
 
     async def _admit_queued(self) -> None:
-        if any(s.phase == "parked" for s in self._active):
-            return  # memory is short: what a finished session frees goes to the parked
+        gate = self.coordinator.starts(self._active)
+        if gate is None:
+            return
         slots = self.cfg.max_active_sessions - len(self._active)
         batch: list[ItemState] = []
         active_by = Counter(s.job.owner for s in self._active)
-        budget = self.engine.budget
-        metered = budget.total is not None and slots > 0 and bool(self.queue)
-        need = self._growth_reserve() if metered else 0
         while slots > 0 and self.queue:
             state = self.queue.head(active_by)
-            if budget.total is not None and (self._active or batch):
-                admission = state.admission
-                assert admission is not None
-                prompt = len(admission.prompt_ids)
-                first = self._bucket_bytes(prompt, admission)
-                second = self._bucket_bytes(
-                    capacity_bucket(prompt, None, self.engine.min_bucket) + 1, admission
-                )
-                if budget.used + need + first + max(second - first, 0) > budget.total:
-                    break  # not enough to carry everyone to their next growth: it waits
-                need += first + max(second - first, 0)
+            assert state.admission is not None
+            if not gate.admits(state.admission):
+                break
             self.queue.take(state)
             active_by[state.job.owner] += 1
             state.phase = "opening"
@@ -280,20 +226,12 @@ class TurnLoop:
                 ),
             )
             if isinstance(grown, GrowthFailed):
-                self.coordinator.record_failure(grown)
                 refused.append((state, grown))
-            elif isinstance(grown, Exception):
-                state.phase = "failing"
-                state.failure = grown
             else:
-                self.coordinator.record(grown)
-                self._log_growth(state, grown, waited)
+                self._judge(state, grown, waited)
         # After the whole batch is active, so the policy sees who could free memory.
         for state, exc in refused:
-            with structlog.contextvars.bound_contextvars(
-                job_id=state.job.job_id, session_id=state.session_id
-            ):
-                self._growth_failed(state, exc)
+            self._judge(state, exc, waited)
 
     def _open_all(
         self, batch: list[ItemState]
@@ -313,6 +251,12 @@ class TurnLoop:
                 out.append((session, exc))
         return out
 
+    def _judge(self, state: ItemState, outcome: GrowthResult | Exception, waited: float) -> None:
+        with structlog.contextvars.bound_contextvars(
+            job_id=state.job.job_id, session_id=state.session_id
+        ):
+            self._act(state, self.coordinator.decide(state, outcome, waited, self._active))
+
     async def _grow(self, state: ItemState) -> None:
         session = state.session
         assert session is not None
@@ -320,64 +264,29 @@ class TurnLoop:
             job_id=state.job.job_id, session_id=session.session_id
         ):
             try:
-                result, waited = await self.coordinator.grow(session)
-            except GrowthFailed as exc:
-                self._growth_failed(state, exc)
-            except Exception as exc:  # noqa: BLE001 - that item fails alone
-                state.failure = exc
-                state.phase = "failing"
-            else:
-                state.phase = "active"
-                self._log_growth(state, result, waited)
+                self._act(state, await self.coordinator.grow(state, self._active))
             finally:
                 self.poke()
 
-    def _log_growth(self, state: ItemState, result: GrowthResult, waited: float) -> None:
-        if not result.grew:
-            return
-        with structlog.contextvars.bound_contextvars(
-            job_id=state.job.job_id, session_id=state.session_id
-        ):
-            log.info(
-                "kv_grew",
-                old=result.old_capacity,
-                new=result.new_capacity,
-                valid_len=result.valid_len,
-                bytes_copied=result.bytes_copied,
-                seconds=round(result.seconds, 6),
-                lock_wait_seconds=round(waited, 6),
-            )
-
-    def _growth_failed(self, state: ItemState, exc: GrowthFailed) -> None:
-        log.warning("kv_growth_failed", retries=state.retries, **exc.details)
-        others_hold = [s for s in self._active if s is not state and s.session is not None]
-        others_can_free = any(s.phase in ("active", "growing") for s in others_hold)
-        waiting = self.cfg.on_growth_failure == "wait"
-        budget_said_no = exc.details.get("cause") == "budget"
-        if waiting and budget_said_no and others_hold and self._fits_alone(state):
-            # The budget, not the device, said no, and others hold memory: an
-            # item that fits alone is never failed for it (see the module doc).
-            if others_can_free:
+    def _act(self, state: ItemState, verdict: Verdict[ItemState]) -> None:
+        """Carry out the coordinator's verdict on ``state``'s allocation."""
+        match verdict:
+            case Grew():
+                state.phase = "active"
+            case Park(error=error, retry=retry):
                 state.phase = "parked"
-                state.failure = exc
-                log.info("session_parked", reason="budget")
-            else:
-                # Everyone else is parked too: the newest of all makes room.
-                parked = [s for s in others_hold if s.phase == "parked"]
-                self._preempt(max([*parked, state], key=lambda s: s.admitted_seq))
-                if state.phase != "queued":
+                state.failure = error
+                if retry:
+                    state.retries = retry
+            case Preempt(victim=victim, error=error):
+                self._preempt(victim)
+                if error is not None and victim is not state:
                     state.phase = "parked"
-                    state.failure = exc
+                    state.failure = error
                 self._unpark()
-            return
-        if waiting and state.retries < self.cfg.growth_retries and others_can_free:
-            state.retries += 1
-            state.phase = "parked"
-            state.failure = exc  # what it will fail with if waiting does not help
-            log.info("session_parked", retry=state.retries, of=self.cfg.growth_retries)
-            return
-        state.failure = exc
-        state.phase = "failing"
+            case Fail(error=error):
+                state.failure = error
+                state.phase = "failing"
 
     def _after_step(self, state: ItemState, out: StepOutput | Exception) -> None:
         if isinstance(out, Exception):
@@ -477,7 +386,6 @@ class TurnLoop:
         state.failure = None
         self._active.remove(state)
         self.queue.push_front(state)  # it is among the oldest
-        self.coordinator.preemptions += 1
         log.info(
             "session_preempted",
             job_id=state.job.job_id,
@@ -487,10 +395,8 @@ class TurnLoop:
         )
 
     def _unpark(self) -> None:
-        for state in self._active:
-            if state.phase == "parked":
-                state.phase = "active"
-                self.coordinator.parked_retries += 1
+        for state in self.coordinator.resume(self._active):
+            state.phase = "active"
         self.poke()
 
     def _job_done(self, job: JobState) -> None:
@@ -513,10 +419,3 @@ class TurnLoop:
             "sessions_queued": self.queue.queued,
             "sessions_parked": parked,
         }
-
-
-def _stuck(state: ItemState) -> Exception:
-    return GrowthFailed(
-        "KV growth could not proceed: every session is waiting for memory and none can free any",
-        {"session_id": state.session_id, "session_unchanged": True},
-    )
