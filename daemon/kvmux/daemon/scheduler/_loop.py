@@ -70,6 +70,8 @@ class TurnLoop:
 
     @property
     def journal(self) -> Journal | None:
+        """The job journal, given after construction when the daemon keeps one; the
+        job table writes to it and counts its bytes against retention."""
         return self.jobs.journal
 
     @journal.setter
