@@ -441,7 +441,7 @@ class Server:
                 self.send(ident, p.Ack(id=req.id))
             case p.Attach(job_id=job_id):
                 assert sched is not None
-                job = sched.attach(ident, job_id, caller)
+                job = sched.jobs.attach(ident, job_id, caller)
                 self.send(
                     ident,
                     p.Attached(
@@ -456,7 +456,7 @@ class Server:
                 )
             case p.Results(job_id=job_id, start=start):
                 assert sched is not None
-                job = sched.find(job_id, caller)
+                job = sched.jobs.find(job_id, caller)
                 results, after = job.results_page(start, RESULTS_PAGE_BYTES)
                 self.send(
                     ident,
@@ -471,10 +471,10 @@ class Server:
                 )
             case p.ListJobs():
                 assert sched is not None
-                self.send(ident, p.JobList(id=req.id, jobs=sched.list_jobs(caller)))
+                self.send(ident, p.JobList(id=req.id, jobs=sched.jobs.list_jobs(caller)))
             case p.Detach(job_id=job_id):
                 assert sched is not None
-                sched.detach(job_id, caller)
+                sched.jobs.detach(job_id, caller)
                 self.send(ident, p.Ack(id=req.id))
             case p.Status():
                 self.send(ident, p.StatusReply(id=req.id, status=self._status(caller)))
@@ -622,7 +622,7 @@ class Server:
                 del self._banned[ident]
             if self.scheduler is not None:
                 self.scheduler.close_abandoned()
-                self.scheduler.prune_retained()
+                self.scheduler.jobs.prune_retained()
 
     def _forget(self, ident: bytes, why: str, reason: str) -> None:
         self._peers.pop(ident, None)
@@ -641,7 +641,7 @@ class Server:
                 raise NotReady("kvmuxd is still loading its model; it has no jobs yet")
             # not_found for an unknown job (or another owner's): following it would
             # wait forever for events that never come.
-            sched.find(job_id, caller)
+            sched.jobs.find(job_id, caller)
         if not caller.operator:
             # Only events of the caller's own jobs: the rest of the log names
             # other people's jobs, clients and prompts' sizes.
@@ -649,7 +649,9 @@ class Server:
 
             def visible(event: dict[str, Any]) -> bool:
                 job = event.get("job_id")
-                return sched is not None and isinstance(job, str) and sched.owner_of(job) == owner
+                return (
+                    sched is not None and isinstance(job, str) and sched.jobs.owner_of(job) == owner
+                )
 
         self._unsubscribe_logs(ident)
         sub = hub.subscribe(min_level=level, job_id=job_id, visible=visible)
