@@ -18,6 +18,7 @@ import structlog
 
 from kvmux.daemon import logs
 from kvmux.daemon.logs import LogHub, configure_logging, hub, reopen_log_file
+from kvmux.kv import failpoints
 
 
 @pytest.fixture
@@ -361,8 +362,11 @@ async def test_failures_are_warnings_and_logs_of_a_job_end_with_it(
         unknown = await _kvmux(daemon.endpoint, "logs", "-f", "--job", "0123456789ab")
         finished = await _kvmux(daemon.endpoint, "logs", "-f", "--job", job.job_id)
         # Running, followed at a level that hides its end event: ends with it all the same.
+        # Its steps are slowed (2 x 400 of 5 ms) so it is still running once the
+        # CLI has started and subscribed, however fast decoding is.
+        failpoints.slow("engine.step", 0.005)
         slow = await client.submit(
-            [Item(prompt="go", max_new_tokens=400, ignore_eos=True)] * 12, detach=True
+            [Item(prompt="go", max_new_tokens=400, ignore_eos=True)] * 2, detach=True
         )
         with anyio.fail_after(60):
             async with await anyio.open_process(
@@ -377,6 +381,7 @@ async def test_failures_are_warnings_and_logs_of_a_job_end_with_it(
                 running_then = [j.state for j in await client.jobs() if j.job_id == slow.job_id]
                 rest = b"".join([chunk async for chunk in proc.stderr])
                 running_job = (await proc.wait(), (header + rest).decode())
+        failpoints.disarm("engine.step")
         assert all(r.status == "ok" for r in await slow.results())
     assert failed.error is not None and failed.error.code == "kv_capacity_exceeded"
     assert ok.status == "ok"
