@@ -291,9 +291,9 @@ class TurnLoop:
                     state.phase = "parked"
                     state.failure = error
                 self._unpark()
-            case Fail(error=error):
-                state.failure = error
-                state.phase = "failing"
+            case Fail(victim=victim, error=error):
+                victim.failure = error
+                victim.phase = "failing"
 
     def _after_step(self, state: ItemState, out: StepOutput | Exception) -> None:
         if isinstance(out, Exception):
