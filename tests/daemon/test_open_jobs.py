@@ -63,11 +63,13 @@ async def test_an_open_job_takes_items_until_the_last_and_finishes_only_then(
             while len(await job.fetch_results()) < 6:
                 await anyio.sleep(0.05)
         info = next(j for j in await client.jobs() if j.job_id == job.job_id)
-        assert info.state == "running" and info.total == 6
+        assert (info.state, info.open, info.total) == ("running", True, 6)
         assert not job.finished
         assert await job.add(items[5:], last=True) == 7
         finished = [ev async for ev in job.events() if isinstance(ev, p.JobFinished)]
         results = await job.results()
+        info = next(j for j in await client.jobs() if j.job_id == job.job_id)
+        assert (info.state, info.open) == ("done", False)
         with pytest.raises(BadRequest, match="takes no more items"):
             await job.add(items[:1])
         again = await client.attach(job.job_id)

@@ -385,6 +385,8 @@ class JobInfo(msgspec.Struct, frozen=True):
     failed: int
     detached: bool
     age_seconds: float
+    #: More items may still be added (``Submit.more`` until ``AddItems.last``).
+    open: bool = False
 
 
 class _Reply(msgspec.Struct, frozen=True, tag_field="kind"):

@@ -304,7 +304,7 @@ async def list_jobs(args: argparse.Namespace) -> int:
         table.add_row(
             info.job_id,
             Text(info.name),
-            info.state,
+            f"{info.state}, open" if info.open else info.state,
             str(info.ok + info.failed),
             str(info.failed),
             str(info.total),

@@ -154,6 +154,7 @@ class JobTable:
                         failed=job.failed,
                         detached=job.detached,
                         age_seconds=round(now - job.created, 3),
+                        open=job.open,
                     )
                 )
         return out
