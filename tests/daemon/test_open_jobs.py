@@ -17,6 +17,7 @@ from kvmux.client import protocol as p
 from kvmux.client._client import Chunk, chunked
 from kvmux.daemon.access import Caller
 from kvmux.daemon.engine import Engine
+from kvmux.kv import failpoints
 
 from .conftest import connected, make_config, running
 from .helpers import decode_alone, token_prompt
@@ -285,9 +286,13 @@ async def test_an_open_job_is_cancelled_when_its_client_leaves_unless_detached(
             left = await client.submit([_item(0, n=1500)], more=True)
             kept = await client.submit([_item(1)], more=True, detach=True)
             # Two additions at once: the second is refused whole, the first goes in.
+            # The first's check is slowed so it is still under way when the
+            # second arrives, however fast the daemon checks an item.
+            failpoints.slow("scheduler.admit", 0.5)
             first, second = await asyncio.gather(
                 left.add([_item(2, n=1500)]), left.add([_item(3)]), return_exceptions=True
             )
+            failpoints.disarm("scheduler.admit")
         async with connected(daemon) as later:
             with anyio.fail_after(20):
                 while [j.state for j in await later.jobs() if j.job_id == left.job_id] != ["done"]:
