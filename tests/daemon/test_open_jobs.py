@@ -282,13 +282,16 @@ async def test_an_open_job_is_cancelled_when_its_client_leaves_unless_detached(
     tiny_model: Path, sock_dir: Path
 ) -> None:
     async with running(make_config(tiny_model, sock_dir)) as daemon:
+        # Slowed steps (1500 of at least 2 ms): `left` is surely still decoding
+        # when its client leaves, however fast the daemon decodes.
+        failpoints.slow("engine.step", 0.002)
         async with connected(daemon) as client:
             left = await client.submit([_item(0, n=1500)], more=True)
             kept = await client.submit([_item(1)], more=True, detach=True)
             # Two additions at once: the second is refused whole, the first goes in.
             # The first's check is slowed so it is still under way when the
             # second arrives, however fast the daemon checks an item.
-            failpoints.slow("scheduler.admit", 0.5)
+            failpoints.slow("scheduler.admit", 0.2)
             first, second = await asyncio.gather(
                 left.add([_item(2, n=1500)]), left.add([_item(3)]), return_exceptions=True
             )
