@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 from kvmux.client import Item
+from kvmux.client import protocol as p
 from kvmux.daemon.engine import Engine
 from kvmux.kv import failpoints
 
@@ -53,3 +55,57 @@ async def test_a_run_failing_for_one_row_fails_that_item_alone(
         if item.custom_id != "5":
             assert got[item.custom_id] == decode_alone(reference, item)
     assert status.kv_bytes_in_use == 0
+
+
+async def test_a_job_arriving_mid_run_joins_at_the_next_chunk(
+    tiny_model: Path, sock_dir: Path, reference: Engine
+) -> None:
+    """The model thread decodes a run of many steps while the loop only streams its
+    chunks; an arrival asks for the loop, so the run ends at its next chunk and the
+    new item starts then, not when the run would have ended (its budget is 200 steps).
+
+    Steps are slowed to 5 ms, so a chunk is two steps; counted in the first job's
+    tokens, the second job starts within a few of them."""
+    cfg = make_config(tiny_model, sock_dir, kv={"min_bucket": 256})
+
+    def item(name: str, n: int, seed: int) -> Item:
+        return Item(
+            custom_id=name,
+            prompt_tokens=token_prompt(8, seed=seed),
+            max_new_tokens=n,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+
+    long, late = item("long", 200, 1), item("late", 4, 2)
+    failpoints.slow("engine.step", 0.005)
+    long_tokens = 0
+    joined_at: int | None = None
+    async with running(cfg) as daemon, connected(daemon) as client:
+        first = await client.submit([long])
+        async for ev in first.events():
+            if isinstance(ev, p.TokenDelta):
+                long_tokens += len(ev.token_ids)
+                if long_tokens >= 20:
+                    break
+        second = await client.submit([late])
+        submitted_at = long_tokens
+
+        async def watch_second() -> None:
+            nonlocal joined_at
+            async for ev in second.events():
+                if isinstance(ev, p.TokenDelta) and joined_at is None:
+                    joined_at = long_tokens
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_second)
+            async for ev in first.events():
+                if isinstance(ev, p.TokenDelta):
+                    long_tokens += len(ev.token_ids)
+        results = [*(await first.results()), *(await second.results())]
+        failpoints.disarm()
+    assert joined_at is not None
+    assert joined_at - submitted_at <= 12, (submitted_at, joined_at)
+    got = ok_tokens(results)
+    assert got["long"] == decode_alone(reference, long)
+    assert got["late"] == decode_alone(reference, late)

@@ -5,9 +5,13 @@ batching them into one model run is a change to the engine, not to the loop."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
 
 import anyio
 import anyio.abc
@@ -28,14 +32,37 @@ from ._queue import FairQueue
 
 log = structlog.get_logger("kvmux.scheduler")
 
-# One worker call runs decode steps until about this much model time (at most
-# _MAX_STEPS_PER_CALL steps): the two thread handoffs around it then cost a few %.
-_MIN_CALL_SECONDS = 0.010
-_MAX_STEPS_PER_CALL = 16
+# A decode run hands its tokens to the loop in chunks of about this much
+# model time (at most _MAX_CHUNK_STEPS steps): each hand-over wakes the loop,
+# so a chunk of one short step would pay a wake-up per token.
+_MIN_CHUNK_SECONDS = 0.010
+_MAX_CHUNK_STEPS = 64
+# However long the sessions could go on, a run returns to the loop after this
+# long: a safety net, since everything that changes the ready set stops it.
+_MAX_RUN_SECONDS = 0.25
+_MAX_RUN_STEPS = 1 << 30  # a run's budget before the buckets' room bounds it
 
 _FAILURE_CODES = frozenset(
     {"kv_capacity_exceeded", "kv_growth_failed", "run_failed", "internal", "shutdown"}
 )
+
+
+class _Chunk(NamedTuple):
+    """Some steps of a decode run: each session's merged output, and their time."""
+
+    outputs: list[StepOutput | Exception]
+    steps: int
+    seconds: float
+    decoding: bool  # no session was prefilling: ``seconds`` is decode steps' time
+
+
+def _chunk_steps(per_step: float, sessions: int) -> int:
+    """Steps for a chunk of ~_MIN_CHUNK_SECONDS, given a session's share of a step."""
+    return max(1, min(_MAX_CHUNK_STEPS, math.ceil(_MIN_CHUNK_SECONDS / (sessions * per_step))))
+
+
+def _going(out: StepOutput | Exception) -> bool:
+    return isinstance(out, StepOutput) and not out.finished
 
 
 class TurnLoop:
@@ -60,10 +87,13 @@ class TurnLoop:
         self.outbox = Outbox(deliver)
         self._active: list[ItemState] = []
         self._wake = anyio.Event()
+        # Set whenever the loop is wanted (what poke() is for): a decode run on the
+        # model thread ends at its next chunk, so the loop can change the ready set.
+        self._stop = threading.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self._seq = 0
-        self.draining = False
-        self._step_seconds = 0.0  # a session step's recent duration, handoffs included
+        self._draining = False
+        self._step_seconds = 0.0  # a session's share of a recent decode step
         self.tokens_generated = 0
         self.finished_by_code: Counter[str] = Counter()  # "ok" or the error code
         self.metrics: Metrics | None = None
@@ -78,7 +108,17 @@ class TurnLoop:
     def journal(self, journal: Journal | None) -> None:
         self.jobs.journal = journal
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        self.poke()
+
     def poke(self) -> None:
+        self._stop.set()
         self._wake.set()
 
     async def run(
@@ -99,6 +139,7 @@ class TurnLoop:
                     self._wake = anyio.Event()
 
     async def _turn(self) -> bool:
+        self._stop.clear()  # what asks for the loop from here on ends this turn's run
         self._settle()
         await self._admit_queued()
         self._settle()
@@ -117,45 +158,90 @@ class TurnLoop:
         if not ready:
             return False
         sessions = [state.session for state in ready if state.session is not None]
-        steps = self._steps_per_call(ready)
-        # Only decode calls are timed: a prompt chunk costs many decode steps, and
-        # counted as one it made the calls after every admission run a step or two
-        # (on `tiny`, 16 sessions took 8 calls for 40 tokens instead of 4).
-        decoding = not any(s.prefilling for s in sessions)
-        started = time.perf_counter()
-        outputs = await self.worker.run(self.engine.step_many, sessions, steps)
-        if decoding:
-            per_step = (time.perf_counter() - started) / (steps * len(sessions))
-            if self._step_seconds:
-                per_step = 0.8 * self._step_seconds + 0.2 * per_step
-            self._step_seconds = per_step
-        for state, out in zip(ready, outputs, strict=True):
-            self._after_step(state, out)
+        loop = asyncio.get_running_loop()
+
+        def post(chunk: _Chunk) -> None:
+            loop.call_soon_threadsafe(self._took_chunk, ready, chunk)
+
+        steps, budget = self._run_size(ready)
+        last = await self.worker.run(self._run, sessions, steps, budget, post)
+        self._took(ready, last)
         return True
 
-    def _steps_per_call(self, ready: list[ItemState]) -> int:
-        """Decode steps per worker call: several while the ready set cannot change.
+    def _run(
+        self,
+        sessions: list[DecodeSession],
+        steps: int,
+        budget: int,
+        post: Callable[[_Chunk], None],
+    ) -> _Chunk:
+        """A decode run, on the model thread: chunks of ``steps`` steps back to back,
+        up to ``budget`` steps, while the ready set stays what it was.
 
-        Every call costs two thread handoffs (to the worker and back), each
-        ~0.1-0.3 ms on a VM; a call of one short step pays them per token. So
-        a call runs steps until it has ~_MIN_CALL_SECONDS of model time, but
-        only while nothing waits to be admitted, nobody is being cancelled,
-        and every session is past its prefill with room in its bucket for all
-        of them (growth stays with the coordinator, between calls).
+        Each chunk but the last is posted to the loop, which streams its tokens
+        while the next one runs: the model does not wait for the loop between
+        chunks (on short steps that wait was a third of the daemon's time). The
+        run ends, and its last chunk is returned, when a session finishes or
+        fails (its release is the loop's, when no step is in flight), when the
+        loop is wanted (poke: an arrival, a cancel, a growth done) or after
+        _MAX_RUN_SECONDS. The budget keeps every session inside its bucket, so
+        growth stays with the coordinator, between runs.
         """
-        if self.queue.queued or self.draining or not self._step_seconds:
-            return 1
-        steps = min(
-            _MAX_STEPS_PER_CALL,
-            math.ceil(_MIN_CALL_SECONDS / (len(ready) * self._step_seconds)),
-        )
+        started = time.perf_counter()
+        done = 0
+        while True:
+            decoding = not any(s.prefilling for s in sessions)
+            t = time.perf_counter()
+            outputs = self.engine.step_many(sessions, steps)
+            chunk = _Chunk(outputs, steps, time.perf_counter() - t, decoding)
+            done += steps
+            if (
+                done >= budget
+                or self._stop.is_set()
+                or not all(map(_going, outputs))
+                or time.perf_counter() - started > _MAX_RUN_SECONDS
+            ):
+                return chunk
+            post(chunk)
+            per_step = chunk.seconds / (steps * len(sessions))
+            steps = min(budget - done, _chunk_steps(per_step, len(sessions)))
+
+    def _run_size(self, ready: list[ItemState]) -> tuple[int, int]:
+        """A run's first chunk and its budget, in steps.
+
+        One step while any session is prefilling (a prompt chunk costs many
+        decode steps, and the session's first token should reach its client
+        first) or is being cancelled; else up to the room every session's
+        bucket has left.
+        """
+        room = _MAX_RUN_STEPS
         for state in ready:
             session = state.session
             assert session is not None
             if session.prefilling or state.cancel_with is not None:
-                return 1
-            steps = min(steps, session.room())
-        return max(1, steps)
+                return 1, 1
+            room = min(room, session.room())
+        room = max(1, room)
+        if not self._step_seconds:
+            return 1, room
+        return min(room, _chunk_steps(self._step_seconds, len(ready))), room
+
+    def _took_chunk(self, ready: list[ItemState], chunk: _Chunk) -> None:
+        """A chunk posted by a run still going: stream its tokens now."""
+        try:
+            self._took(ready, chunk)
+        except Exception:  # a callback's exception would only reach asyncio's handler
+            log.exception("scheduler_chunk_failed")
+        self.outbox.flush()
+
+    def _took(self, ready: list[ItemState], chunk: _Chunk) -> None:
+        if chunk.decoding:  # a prompt chunk costs many decode steps: not a step's time
+            per_step = chunk.seconds / (chunk.steps * len(ready))
+            if self._step_seconds:
+                per_step = 0.8 * self._step_seconds + 0.2 * per_step
+            self._step_seconds = per_step
+        for state, out in zip(ready, chunk.outputs, strict=True):
+            self._after_step(state, out)
 
     def _settle(self) -> None:
         """Act on cancellations and failures that arrived while the loop was away."""
