@@ -81,6 +81,11 @@ def disarm(name: str | None = None) -> None:
             _keys.pop(name, None)
 
 
+def active(name: str) -> bool:
+    """Whether ``name`` is armed or slowed (a caller may then take its slow path)."""
+    return name in _slow or name in _armed
+
+
 def armed() -> dict[str, int]:
     with _lock:
         return dict(_armed)

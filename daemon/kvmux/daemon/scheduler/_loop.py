@@ -61,6 +61,18 @@ def _chunk_steps(per_step: float, sessions: int) -> int:
     return max(1, min(_MAX_CHUNK_STEPS, math.ceil(_MIN_CHUNK_SECONDS / (sessions * per_step))))
 
 
+def _steps_that_fit(sessions: list[DecodeSession]) -> int:
+    """Steps every session can take without growing: 0 if one must grow first; one
+    while one is prefilling (a prompt chunk takes many tokens)."""
+    fit = _MAX_RUN_STEPS
+    for session in sessions:
+        if session.needs_growth():
+            return 0
+        # A session at its hard max has no room and no growth: its next step ends it.
+        fit = min(fit, 1 if session.prefilling else max(1, session.room()))
+    return fit
+
+
 def _going(out: StepOutput | Exception) -> bool:
     return isinstance(out, StepOutput) and not out.finished
 
@@ -163,68 +175,55 @@ class TurnLoop:
         def post(chunk: _Chunk) -> None:
             loop.call_soon_threadsafe(self._took_chunk, ready, chunk)
 
-        steps, budget = self._run_size(ready)
-        last = await self.worker.run(self._run, sessions, steps, budget, post)
+        last = await self.worker.run(self._run, sessions, self._first_chunk(ready), post)
         self._took(ready, last)
         return True
 
     def _run(
-        self,
-        sessions: list[DecodeSession],
-        steps: int,
-        budget: int,
-        post: Callable[[_Chunk], None],
+        self, sessions: list[DecodeSession], steps: int, post: Callable[[_Chunk], None]
     ) -> _Chunk:
-        """A decode run, on the model thread: chunks of ``steps`` steps back to back,
-        up to ``budget`` steps, while the ready set stays what it was.
+        """A run, on the model thread: chunks of steps back to back, the first of
+        ``steps``, while the ready set stays what it was.
 
         Each chunk but the last is posted to the loop, which streams its tokens
         while the next one runs: the model does not wait for the loop between
         chunks (on short steps that wait was a third of the daemon's time). The
         run ends, and its last chunk is returned, when a session finishes or
         fails (its release is the loop's, when no step is in flight), when the
-        loop is wanted (poke: an arrival, a cancel, a growth done) or after
-        _MAX_RUN_SECONDS. The budget keeps every session inside its bucket, so
-        growth stays with the coordinator, between runs.
+        next step does not fit a session's bucket (growth is the coordinator's,
+        between runs), when the loop is wanted (poke: an arrival, a cancel, a
+        growth done) or after _MAX_RUN_SECONDS.
         """
         started = time.perf_counter()
-        done = 0
         while True:
             decoding = not any(s.prefilling for s in sessions)
             t = time.perf_counter()
             outputs = self.engine.step_many(sessions, steps)
             chunk = _Chunk(outputs, steps, time.perf_counter() - t, decoding)
-            done += steps
             if (
-                done >= budget
-                or self._stop.is_set()
+                self._stop.is_set()
                 or not all(map(_going, outputs))
                 or time.perf_counter() - started > _MAX_RUN_SECONDS
             ):
                 return chunk
+            fit = _steps_that_fit(sessions)
+            if not fit:
+                return chunk
             post(chunk)
-            per_step = chunk.seconds / (steps * len(sessions))
-            steps = min(budget - done, _chunk_steps(per_step, len(sessions)))
+            # A prompt chunk costs many decode steps: the next chunk is sized by
+            # the loop's estimate then (one step until there is one).
+            per_step = (
+                chunk.seconds / (chunk.steps * len(sessions)) if decoding else self._step_seconds
+            )
+            steps = min(fit, _chunk_steps(per_step, len(sessions)) if per_step else 1)
 
-    def _run_size(self, ready: list[ItemState]) -> tuple[int, int]:
-        """A run's first chunk and its budget, in steps.
-
-        One step while any session is prefilling (a prompt chunk costs many
-        decode steps, and the session's first token should reach its client
-        first) or is being cancelled; else up to the room every session's
-        bucket has left.
-        """
-        room = _MAX_RUN_STEPS
-        for state in ready:
-            session = state.session
-            assert session is not None
-            if session.prefilling or state.cancel_with is not None:
-                return 1, 1
-            room = min(room, session.room())
-        room = max(1, room)
+    def _first_chunk(self, ready: list[ItemState]) -> int:
+        """A run's first chunk, in steps: one while a session is prefilling (its
+        first token goes out as soon as it is drawn) or before a step was timed."""
+        sessions = [state.session for state in ready if state.session is not None]
         if not self._step_seconds:
-            return 1, room
-        return min(room, _chunk_steps(self._step_seconds, len(ready))), room
+            return 1
+        return max(1, min(_steps_that_fit(sessions), _chunk_steps(self._step_seconds, len(ready))))
 
     def _took_chunk(self, ready: list[ItemState], chunk: _Chunk) -> None:
         """A chunk posted by a run still going: stream its tokens now."""

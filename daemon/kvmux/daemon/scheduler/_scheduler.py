@@ -275,7 +275,7 @@ class Scheduler(TurnLoop):
             )
             job.journal_bytes = sum(encoded_size(i) for i in record.items)
             pending = [item for i, item in enumerate(record.items) if i not in record.results]
-            checks = iter(await self.admitter.admit_off_loop(pending))
+            checks = iter(await self.admitter.admit_items(pending))
             outcomes: list[tuple[Item, Admission | Exception | ItemResult]] = [
                 (item, record.results[i] if i in record.results else next(checks))
                 for i, item in enumerate(record.items)
