@@ -19,6 +19,7 @@ from kvmux.client import Item
 from kvmux.client import protocol as p
 from kvmux.client.cli.batch import BatchReader, LineError, read_batch
 from kvmux.client.cli.results import ResultSink, is_rejected
+from kvmux.daemon.engine import Engine, EngineOptions
 
 from .conftest import Kvmuxd
 
@@ -55,11 +56,11 @@ def test_the_completions_lines_parse_with_choices_in_openais_order() -> None:
         line=1,
     )
     # Two prompts times n=2: choice = prompt index * n + j, seed s + j.
-    assert [(i.prompt, i.choice, i.choices, i.seed) for i in listed] == [
-        ("Once upon a time", 0, 4, 1),
-        ("Once upon a time", 1, 4, 2),
-        ("The capital of France is", 2, 4, 1),
-        ("The capital of France is", 3, 4, 2),
+    assert [(i.prompt, i.choice, i.choices, i.n, i.seed) for i in listed] == [
+        ("Once upon a time", 0, 4, 2, 1),
+        ("Once upon a time", 1, 4, 2, 2),
+        ("The capital of France is", 2, 4, 2, 1),
+        ("The capital of France is", 3, 4, 2, 2),
     ]
     assert {(i.custom_id, i.line) for i in listed} == {("request-2", 2)}
     assert last.max_new_tokens == 10 and last.logprobs == 2  # 10.0 taken as 10
@@ -155,12 +156,25 @@ def test_openai_lines_gather_every_choice_of_a_line() -> None:
         (0, "A", "stop"),
         (1, "B", "length"),
     ]
+    # Two prompts (n=1): each prompt counted.
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
     # A job that ended without some choice of a line still writes what it has.
     sink.result(result(custom_id="s", choice=0, choices=3, text="C", usage=usage))
     assert len(out) == 1
     sink.flush()
     assert [c["text"] for c in out[1]["response"]["body"]["choices"]] == ["C"]
+
+
+def test_openai_usage_counts_a_prompt_once_for_its_n_choices() -> None:
+    """As OpenAI counts them: two prompts of 3 and 5 tokens, n=2 each, are 8 prompt tokens."""
+    sink, out, _ = collect("openai")
+    for choice, prompt_tokens in [(0, 3), (1, 3), (2, 5), (3, 5)]:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 2, "total_tokens": 0}
+        sink.result(result(choice=choice, choices=4, n=2, text=str(choice), usage=usage))
+    (line,) = out
+    body = line["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
 
 
 def test_openai_chat_body_and_logprobs_shapes() -> None:
@@ -221,7 +235,9 @@ def test_kvmux_lines_carry_line_choice_message_and_logprobs() -> None:
     assert errors[0]["status"] == "error" and errors[0]["line"] == 2
 
 
-def test_openai_completions_through_a_real_daemon(kvmuxd: Kvmuxd, tmp_path: Path) -> None:
+def test_openai_completions_through_a_real_daemon(
+    kvmuxd: Kvmuxd, tmp_path: Path, tiny_model: Path
+) -> None:
     out = tmp_path / "out.jsonl"
     done = kvmuxd.run("submit", str(EXAMPLES / "openai-completions.jsonl"), "--out", str(out), "-q")
     assert done.returncode == 0, done.stderr
@@ -232,6 +248,11 @@ def test_openai_completions_through_a_real_daemon(kvmuxd: Kvmuxd, tmp_path: Path
         assert isinstance(r["response"]["body"]["choices"][0]["text"], str)
     choices = lines["request-2"]["response"]["body"]["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    # Two prompts, n=2: each prompt's tokens counted once, as OpenAI does.
+    engine = Engine(tiny_model, EngineOptions(intra_op_threads=1))
+    prompts = ["Once upon a time", "The capital of France is"]
+    usage = lines["request-2"]["response"]["body"]["usage"]
+    assert usage["prompt_tokens"] == sum(len(engine.encode(text)) for text in prompts)
     first = lines["request-1"]["response"]["body"]
     assert first["choices"][0]["finish_reason"] in ("stop", "length")
     assert first["usage"]["completion_tokens"] <= 7

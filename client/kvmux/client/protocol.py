@@ -50,7 +50,9 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     daemon, so every client gets the same prompt; its result is a chat result.
     ``line`` (the input line the item came from), ``choice`` and ``choices``
     (this is completion ``choice`` of the ``choices`` its line asked for:
-    OpenAI's ``n`` times its prompt list) are echoed in the result untouched.
+    OpenAI's ``n`` times its prompt list) and ``n`` (choices ``k * n`` to
+    ``k * n + n - 1`` share prompt ``k``, so usage counts it once) are echoed
+    in the result untouched.
     Penalties follow vLLM's definitions;
     ``logprobs`` asks for the chosen token's log-probability and that many of
     the most likely alternatives at every step (0: the chosen token's only).
@@ -83,6 +85,7 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     line: Annotated[int, Meta(ge=1, lt=2**53)] | None = None
     choice: Annotated[int, Meta(ge=0, lt=2**16)] = 0
     choices: Annotated[int, Meta(ge=1, le=2**16)] = 1
+    n: Annotated[int, Meta(ge=1, le=2**16)] = 1
 
 
 class Rejected(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -266,6 +269,7 @@ class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
     line: int | None = None
     choice: int = 0
     choices: int = 1
+    n: int = 1
     chat: bool = False
     logprobs: list[TokenLogprob] | None = None
 

@@ -434,7 +434,7 @@ def _to_items(
                 names.setdefault("prompt_tokens", prefix + "prompt")
             if isinstance(seed, int) and not isinstance(seed, bool):
                 one["seed"] = seed + j
-            one.update(line=line, choice=i * n + j, choices=choices)
+            one.update(line=line, choice=i * n + j, choices=choices, n=n)
             items.append(_check(one, line, prefix, names))
     return items
 

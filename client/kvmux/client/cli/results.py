@@ -187,12 +187,13 @@ def is_rejected(result: p.ItemResult) -> bool:
 
 
 def _usage(results: list[p.ItemResult], chat: bool) -> dict[str, int]:
-    used = [r.usage for r in results if r.usage is not None]
-    completion = sum(u.completion_tokens for u in used)
-    # A chat line has one conversation, prefilled once for all its choices; a
-    # completions line may hold several prompts, each counted with its choices.
-    first = used[0].prompt_tokens if used else 0
-    prompt = first if chat else sum(u.prompt_tokens for u in used)
+    used = [r for r in results if r.usage is not None]
+    completion = sum(r.usage.completion_tokens for r in used if r.usage is not None)
+    # As OpenAI counts them: each prompt once, however many choices (``n``) it
+    # has. A chat line has one conversation; a completions line may hold
+    # several prompts, ``n`` choices each.
+    prompts = {0 if chat else r.choice // r.n: r.usage.prompt_tokens for r in used if r.usage}
+    prompt = sum(prompts.values())
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -48,6 +48,7 @@ class ItemState:
     line: int | None = None
     choice: int = 0
     choices: int = 1
+    n: int = 1
     chat: bool = False
     session: DecodeSession | None = None
     phase: Phase = "queued"

@@ -55,6 +55,7 @@ def make_result(state: ItemState, status: Literal["ok", "error"], **fields: Any)
         line=state.line,
         choice=state.choice,
         choices=state.choices,
+        n=state.n,
         chat=state.chat,
         **fields,
     )

@@ -235,6 +235,7 @@ class Scheduler(TurnLoop):
                 line=item.line,
                 choice=item.choice,
                 choices=item.choices,
+                n=item.n,
                 chat=item.messages is not None,
             )
             job.items.append(state)
