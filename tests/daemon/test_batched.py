@@ -109,3 +109,33 @@ async def test_a_job_arriving_mid_run_joins_at_the_next_chunk(
     got = ok_tokens(results)
     assert got["long"] == decode_alone(reference, long)
     assert got["late"] == decode_alone(reference, late)
+
+
+async def test_every_growth_of_a_batched_run_goes_through_the_coordinator(
+    tiny_model: Path, sock_dir: Path, reference: Engine
+) -> None:
+    """A run stops before a step that would not fit a session's bucket, so every
+    growth is the coordinator's (under its lock), none the model thread's own.
+
+    Eight items of 6-13 prompt tokens and 150 new ones each pass through the
+    buckets 16, 32, 64, 128 and 256: five allocations each (the first included),
+    forty in all, every one counted by the coordinator."""
+    cfg = make_config(tiny_model, sock_dir, kv={"min_bucket": 16})
+    items = [
+        Item(
+            custom_id=str(i),
+            prompt_tokens=token_prompt(6 + i, seed=20 + i),
+            max_new_tokens=150,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        for i in range(8)
+    ]
+    async with running(cfg) as daemon, connected(daemon) as client:
+        results = await (await client.submit(items)).results()
+        status = await client.status()
+    got = ok_tokens(results)
+    for item in items:
+        assert got[item.custom_id] == decode_alone(reference, item)
+    assert status.growth.growths == 5 * len(items)
+    assert status.kv_bytes_in_use == 0
