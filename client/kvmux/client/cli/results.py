@@ -187,12 +187,12 @@ def is_rejected(result: p.ItemResult) -> bool:
 
 
 def _usage(results: list[p.ItemResult], chat: bool) -> dict[str, int]:
-    used = [r for r in results if r.usage is not None]
-    completion = sum(r.usage.completion_tokens for r in used if r.usage is not None)
+    used = [(r, r.usage) for r in results if r.usage is not None]
+    completion = sum(u.completion_tokens for _, u in used)
     # As OpenAI counts them: each prompt once, however many choices (``n``) it
     # has. A chat line has one conversation; a completions line may hold
     # several prompts, ``n`` choices each.
-    prompts = {0 if chat else r.choice // r.n: r.usage.prompt_tokens for r in used if r.usage}
+    prompts = {0 if chat else r.choice // r.n: u.prompt_tokens for r, u in used}
     prompt = sum(prompts.values())
     return {
         "prompt_tokens": prompt,

@@ -11,7 +11,7 @@ from .sampling import (
     resolve_sampling,
     step_logprobs,
 )
-from .session import Completion, DecodeSession, StepOutput, TokenLogprobs
+from .session import Completion, DecodeSession, StepOutput, TokenLogprobs, still_going
 from .text import TextStream
 
 __all__ = [
@@ -35,4 +35,5 @@ __all__ = [
     "import_onnxruntime",
     "resolve_sampling",
     "step_logprobs",
+    "still_going",
 ]

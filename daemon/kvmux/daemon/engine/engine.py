@@ -45,7 +45,7 @@ from .errors import BadPrompt, RunFailed
 from .runner import ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
-from .session import Completion, DecodeSession, StepOutput
+from .session import Completion, DecodeSession, StepOutput, still_going
 
 log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.step")
@@ -332,7 +332,7 @@ class Engine:
                         out[i] = exc
                         continue
                     _merge(out[i], step)
-            live = [i for i in live if _going(out[i])]
+            live = [i for i in live if still_going(out[i])]
         return out
 
     def _rows(self, fed: Sequence[tuple[int, DecodeSession, list[int]]]) -> list[RowInput]:
@@ -416,10 +416,6 @@ def _one_span_per_bucket(places: Sequence[Placement]) -> bool:
             return False
         spans[p.capacity] = (group, min(lo, p.row), max(hi, p.row), n + 1)
     return all(hi - lo + 1 == n for _, lo, hi, n in spans.values())
-
-
-def _going(out: StepOutput | Exception) -> bool:
-    return isinstance(out, StepOutput) and not out.finished
 
 
 def _merge(into: StepOutput | Exception, step: StepOutput) -> None:

@@ -26,6 +26,11 @@ class StepOutput:
     finish_reason: str | None = None
 
 
+def still_going(out: StepOutput | Exception) -> bool:
+    """Whether a session whose step gave ``out`` has more steps to take."""
+    return isinstance(out, StepOutput) and not out.finished
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """One generated token's raw log-probability and its top alternatives, with their text."""

@@ -22,7 +22,7 @@ from kvmux.kv import GrowthFailed, GrowthResult
 
 from ..config import JobsConfig, SchedulerConfig
 from ..coordinator import Fail, Grew, GrowthCoordinator, Park, Preempt, Verdict
-from ..engine import DecodeSession, Engine, StepOutput
+from ..engine import DecodeSession, Engine, StepOutput, still_going
 from ..journal import Journal
 from ..metrics import Metrics
 from ..worker import EngineWorker
@@ -71,10 +71,6 @@ def _steps_that_fit(sessions: list[DecodeSession]) -> int:
         # A session at its hard max has no room and no growth: its next step ends it.
         fit = min(fit, 1 if session.prefilling else max(1, session.room()))
     return fit
-
-
-def _going(out: StepOutput | Exception) -> bool:
-    return isinstance(out, StepOutput) and not out.finished
 
 
 class TurnLoop:
@@ -175,7 +171,7 @@ class TurnLoop:
         def post(chunk: _Chunk) -> None:
             loop.call_soon_threadsafe(self._took_chunk, ready, chunk)
 
-        last = await self.worker.run(self._run, sessions, self._first_chunk(ready), post)
+        last = await self.worker.run(self._run, sessions, self._first_chunk(sessions), post)
         self._took(ready, last)
         return True
 
@@ -202,7 +198,7 @@ class TurnLoop:
             chunk = _Chunk(outputs, steps, time.perf_counter() - t, decoding)
             if (
                 self._stop.is_set()
-                or not all(map(_going, outputs))
+                or not all(map(still_going, outputs))
                 or time.perf_counter() - started > _MAX_RUN_SECONDS
             ):
                 return chunk
@@ -217,13 +213,13 @@ class TurnLoop:
             )
             steps = min(fit, _chunk_steps(per_step, len(sessions)) if per_step else 1)
 
-    def _first_chunk(self, ready: list[ItemState]) -> int:
+    def _first_chunk(self, sessions: list[DecodeSession]) -> int:
         """A run's first chunk, in steps: one while a session is prefilling (its
         first token goes out as soon as it is drawn) or before a step was timed."""
-        sessions = [state.session for state in ready if state.session is not None]
         if not self._step_seconds:
             return 1
-        return max(1, min(_steps_that_fit(sessions), _chunk_steps(self._step_seconds, len(ready))))
+        fit = _steps_that_fit(sessions)
+        return max(1, min(fit, _chunk_steps(self._step_seconds, len(sessions))))
 
     def _took_chunk(self, ready: list[ItemState], chunk: _Chunk) -> None:
         """A chunk posted by a run still going: stream its tokens now."""
