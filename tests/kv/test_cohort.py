@@ -211,3 +211,29 @@ def test_long_buckets_get_fewer_rows_per_cohort() -> None:
     long = 1 << 22  # a row of 1.1 GB: 64 of them would reserve 70 GB
     assert pool.rows_for(long) == (16 << 30) // (long * SPEC.bytes_per_token) == 15
     assert pool.rows_for(1 << 40) == 1
+
+
+def test_a_placement_is_the_same_object_until_its_row_moves_grows_or_is_released() -> None:
+    """The engine reuses a step's plan while its rows' placements are the very same
+    objects: a new one must come with every move, growth and release."""
+    pool = _pool(rows=8)
+    a, b = pool.new_cache(HARD), pool.new_cache(HARD)
+    for c in (a, b):
+        ensure_capacity(c, 3)
+        c.advance(3)
+    first = b.placement()
+    assert b.placement() is first
+    b.advance(1)  # a token more is not a move
+    assert b.placement() is first
+    a.release()
+    pool.compact([b])  # b moves down into a's old row
+    moved = b.placement()
+    assert moved is not first and (moved.row, first.row) == (0, 1)
+    ensure_capacity(b, 5)  # the next bucket: a row of another cohort
+    grown = b.placement()
+    assert grown is not moved and grown.capacity == 8 and grown.group != moved.group
+    b.release()
+    with pytest.raises(RuntimeError):
+        b.placement()
+    ensure_capacity(b, 2)
+    assert b.placement() is not grown

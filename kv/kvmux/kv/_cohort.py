@@ -510,6 +510,7 @@ class RowKvCache(KvState):
         self._capacity = 0
         self._valid_len = 0
         self._nbytes = 0
+        self._place: Placement | None = None
         self.capture_generation = 0
         self.capture_valid = False
 
@@ -533,10 +534,16 @@ class RowKvCache(KvState):
         return self._cohort.mask[self._row : self._row + 1]
 
     def placement(self) -> Placement:
-        c = self._cohort
-        if c is None:
-            raise RuntimeError("cache holds no row yet (capacity 0)")
-        return Placement(c.group, self._row, c.rows, c.capacity, c.keys, c.values, c.mask)
+        """Where the row is; the same object until the row moves, grows or is released,
+        so a caller may compare placements by identity to learn that nothing moved."""
+        place = self._place
+        if place is None:
+            c = self._cohort
+            if c is None:
+                raise RuntimeError("cache holds no row yet (capacity 0)")
+            place = Placement(c.group, self._row, c.rows, c.capacity, c.keys, c.values, c.mask)
+            self._place = place
+        return place
 
     # -- the session's own bookkeeping ------------------------------------
     # advance/truncate run on the model thread; the runner synchronizes its
@@ -560,7 +567,7 @@ class RowKvCache(KvState):
     def release(self) -> None:
         if self._cohort is not None:
             self.pool.free(self._cohort, self._row)
-        self._cohort = None
+        self._cohort = self._place = None
         self._capacity = self._valid_len = self._nbytes = 0
         self.capture_valid = False
         self.capture_generation += 1
@@ -595,7 +602,7 @@ class RowKvCache(KvState):
     def commit(self, staged: StagedRow) -> None:
         old, old_row = self._cohort, self._row
         self.pool.settle(staged.cohort, staged.row, self)
-        self._cohort, self._row = staged.cohort, staged.row
+        self._cohort, self._row, self._place = staged.cohort, staged.row, None
         self._capacity = staged.capacity
         self._nbytes = staged.nbytes
         self.capture_generation += 1
@@ -624,7 +631,7 @@ class RowKvCache(KvState):
             # the next run, on onnxruntime's own stream).
             self.storage.synchronize()
         self.pool.settle(cohort, row, self)
-        self._cohort, self._row = cohort, row
+        self._cohort, self._row, self._place = cohort, row, None
         # The runner keys a binding (and its graph) by group and rows: a row
         # that moved must be re-captured before a graph is replayed on it.
         self.capture_valid = False
