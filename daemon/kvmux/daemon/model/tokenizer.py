@@ -176,7 +176,12 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # The tokenizer's cache of ordinary tokens' bytes (special ones are never in it),
+        # read directly: push runs once per generated token.
+        self._known = tokenizer._token_bytes
+        # Bytes of a character not complete yet: what codecs' incremental UTF-8
+        # decoder keeps, without its Python-level wrapper per call.
+        self._held = b""
         # Fallback for tokenizers that are not byte-level: decode a sliding window
         # and emit the growth once it no longer ends in a partial character.
         self._ids: list[int] = []
@@ -184,9 +189,15 @@ class IncrementalDecoder:
         self._read = 0
 
     def push(self, token_id: int) -> str:
-        data = self._tok.token_bytes(token_id, skip_special=self._skip)
+        data = self._known.get(token_id)
+        if data is None:
+            data = self._tok.token_bytes(token_id, skip_special=self._skip)
         if data is not None:
-            return str(self._utf8.decode(data))
+            if self._held:
+                data = self._held + data
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            self._held = data[used:]
+            return text
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
@@ -205,7 +216,9 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """Text still held back (an incomplete sequence becomes U+FFFD); resets the state."""
         if self._tok.byte_level:
-            return str(self._utf8.decode(b"", final=True))
+            text, _ = codecs.utf_8_decode(self._held, "replace", True)
+            self._held = b""
+            return text
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         self._ids.clear()
