@@ -19,12 +19,20 @@ class RecordingSampler:
         return int(self.inner(logits))
 
 
+def record(session: DecodeSession) -> RecordingSampler:
+    """Route every token of ``session`` through a recording sampler (and so not through
+    the engine's argmax for a whole run, which calls no sampler)."""
+    rec = RecordingSampler(session.sampler)
+    session.sampler = rec  # type: ignore[assignment]
+    session.picks_argmax = False
+    return rec
+
+
 def decode(
     session: DecodeSession, *, retry_failures: bool = False
 ) -> tuple[list[int], list[np.ndarray[Any, Any]], list[int]]:
     """Run to the end; return tokens, per-step logits and the capacities seen."""
-    rec = RecordingSampler(session.sampler)
-    session.sampler = rec  # type: ignore[assignment]
+    rec = record(session)
     capacities: list[int] = []
     try:
         while not session.finished:

@@ -17,7 +17,7 @@ from kvmux.daemon.engine import DecodeSession, Engine, RunFailed, SamplingParams
 from kvmux.daemon.engine.runner import RowInput, RowsNotRunnable
 from kvmux.kv import GrowthFailed, failpoints
 
-from .helpers import RecordingSampler, decode, greedy, prompt_ids
+from .helpers import RecordingSampler, decode, greedy, prompt_ids, record
 
 
 @dataclass
@@ -45,16 +45,23 @@ def _plans(engine: Engine, n: int, seed: int) -> list[Plan]:
     return plans
 
 
-def _drive(engine: Engine, plans: list[Plan], *, retry: bool = False) -> dict[str, Any]:
-    """Step every live session together until all finish; sessions join at their step."""
+def _drive(
+    engine: Engine, plans: list[Plan], *, retry: bool = False, argmax: bool = False
+) -> dict[str, Any]:
+    """Step every live session together until all finish; sessions join at their step.
+
+    Every token goes through its session's (recording) sampler, unless ``argmax``:
+    then greedy sessions take the engine's argmax of their run, as they do unrecorded."""
     recorders: dict[str, RecordingSampler] = {}
     step = 0
     while step < 10_000:
         for p in plans:
             if p.session is None and p.start == step:
                 p.session = engine.new_session(p.prompt, p.params, session_id=p.sid)
-                recorders[p.sid] = RecordingSampler(p.session.sampler)
-                p.session.sampler = recorders[p.sid]  # type: ignore[assignment]
+                picks_argmax = p.session.picks_argmax
+                recorders[p.sid] = record(p.session)
+                if argmax:
+                    p.session.picks_argmax = picks_argmax
         live = [p for p in plans if p.session is not None and not p.session.finished]
         if not live and all(p.session is not None for p in plans):
             break
@@ -104,6 +111,28 @@ def test_batched_tokens_and_logits_equal_solo_bit_for_bit(
     assert engine.budget.used == 0 and engine.pool.cohorts() == []
 
 
+def test_greedy_rows_take_their_tokens_from_one_argmax_per_run(engine: Engine) -> None:
+    """Greedy rows' tokens come from one argmax over their run's logits, with no sampler
+    called; they equal what each row's sampler picks, and the sampling rows that share
+    those runs draw exactly as before."""
+    plans = _plans(engine, 12, seed=6)
+    assert {bool(p.params.temperature) for p in plans} == {True, False}
+    reference = _drive(engine, plans)
+    for p in plans:
+        p.session = None
+    runs, rows = engine.runner.runs, engine.runner.rows_run
+    through_argmax = _drive(engine, plans, argmax=True)
+    assert (engine.runner.rows_run - rows) / (engine.runner.runs - runs) > 1.3
+    for p in plans:
+        tokens, logits = reference[p.sid]
+        got_tokens, got_logits = through_argmax[p.sid]
+        assert got_tokens == tokens, p.sid
+        if p.params.temperature:
+            assert [a.tobytes() for a in got_logits] == [b.tobytes() for b in logits], p.sid
+        else:
+            assert got_logits == [], f"{p.sid}: a greedy row called its sampler"
+
+
 def test_sessions_of_one_bucket_decode_in_one_run_per_step(big_buffer_engine: Engine) -> None:
     engine = big_buffer_engine
     sessions = [
@@ -133,8 +162,7 @@ def test_a_row_whose_runs_fail_fails_alone(engine: Engine) -> None:
     recorders: dict[str, RecordingSampler] = {}
     sessions = {p.sid: engine.new_session(p.prompt, p.params, session_id=p.sid) for p in plans}
     for sid, s in sessions.items():
-        recorders[sid] = RecordingSampler(s.sampler)
-        s.sampler = recorders[sid]  # type: ignore[assignment]
+        recorders[sid] = record(s)
     runs_before = 0
     for step in range(200):
         if step == failing_from:
@@ -207,3 +235,15 @@ def test_rows_that_cannot_share_a_run_are_refused_before_it(engine: Engine) -> N
     assert engine.runner.runs == runs and a.cache.valid_len == b.cache.valid_len == 0
     a.release()
     b.release()
+
+
+def test_a_prompt_that_fills_the_context_ends_after_its_first_token(engine: Engine) -> None:
+    """The step after a prompt chunk feeds nothing (the context is full): the engine
+    plans that step afresh instead of reusing the prompt's plan."""
+    prompt = prompt_ids(engine, 5)
+    session = engine.new_session(prompt, greedy(10), max_context=5)
+    (out,) = engine.step_many([session], steps=3)
+    assert not isinstance(out, Exception)
+    assert out.finished and out.finish_reason == "length"
+    assert out.token_ids == engine.generate(prompt, greedy(1)).token_ids
+    session.release()

@@ -17,7 +17,7 @@ from kvmux.daemon.model import ensure_builtin
 from kvmux.kv import CohortPool, GrowthFailed, RowKvCache, ensure_capacity, resolve_hard_max
 
 from ..kv.fake_device import FakeDeviceStorage, FakeOutOfMemory
-from .helpers import RecordingSampler, decode, greedy, prompt_ids
+from .helpers import decode, greedy, prompt_ids, record
 from .test_batching import _drive, _plans, _solo
 
 
@@ -47,8 +47,7 @@ def _step_all(
     errors: dict[str, list[Exception]] = {s.session_id: [] for s in sessions}
     recorders = {}
     for s in sessions:
-        recorders[s.session_id] = RecordingSampler(s.sampler)
-        s.sampler = recorders[s.session_id]  # type: ignore[assignment]
+        recorders[s.session_id] = record(s)
     live = list(sessions)
     while live:
         outs = engine.step_many(live)

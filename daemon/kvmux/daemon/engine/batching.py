@@ -59,7 +59,14 @@ def run_isolated(
     try:
         return list(run(rows))
     except Exception as exc:  # noqa: BLE001 - it becomes that row's entry, or is split
-        if len(rows) == 1:
-            return [exc]
+        return split_failed(rows, run, exc)
+
+
+def split_failed(
+    rows: Sequence[RowInput], run: Callable[[Sequence[RowInput]], Sequence[T]], exc: Exception
+) -> list[T | Exception]:
+    """What :func:`run_isolated` gives once ``run(rows)`` has failed with ``exc``."""
+    if len(rows) == 1:
+        return [exc]
     mid = len(rows) // 2
     return [*run_isolated(rows[:mid], run), *run_isolated(rows[mid:], run)]

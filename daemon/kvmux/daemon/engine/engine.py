@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +41,12 @@ from ..model import (
     load_chat_template,
     load_model,
 )
-from .batching import plan, run_isolated
+from .batching import plan, split_failed
 from .errors import BadPrompt, RunFailed
 from .runner import ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
-from .session import Completion, DecodeSession, StepOutput, still_going
+from .session import Completion, DecodeSession, StepOutput
 
 log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.step")
@@ -88,6 +89,26 @@ class EngineOptions:
                 f"rows_per_cohort and max_batch must be >= 1, got "
                 f"{self.rows_per_cohort} and {self.max_batch}"
             )
+
+
+@dataclass(slots=True)
+class _Row(RowInput):
+    """A row of a step: which of the step's fed sessions it is, and whether its
+    token is the argmax of its logits."""
+
+    index: int = 0
+    picks_argmax: bool = False
+
+
+@dataclass(slots=True)
+class _Planned:
+    """One step's rows, their placements and its runs (lists of those rows);
+    ``reusable`` when every row decodes (a plan the next step may reuse)."""
+
+    places: list[Placement]
+    rows: list[_Row]
+    runs: list[list[_Row]]
+    reusable: bool
 
 
 class Engine:
@@ -174,6 +195,7 @@ class Engine:
             device_id=self.device_id,
             graphs=self.graphs_enabled,
         )
+        self._planned: _Planned | None = None
 
     @property
     def graphs_enabled(self) -> bool:
@@ -303,7 +325,8 @@ class Engine:
         had alone. A session whose step does not fit its bucket grows here, on
         this thread (the daemon grows sessions before, under its growth lock).
         """
-        out: list[StepOutput | Exception] = [StepOutput() for _ in sessions]
+        acc = [StepOutput() for _ in sessions]
+        errors: list[Exception | None] = [None] * len(sessions)
         live = list(range(len(sessions)))
         for _ in range(steps):
             fed: list[tuple[int, DecodeSession, list[int]]] = []
@@ -311,32 +334,44 @@ class Engine:
                 session = sessions[i]
                 try:
                     failpoints.hit("engine.step")
-                    feed = session.feed()
+                    tokens = session.feed(acc[i])
                 except Exception as exc:  # noqa: BLE001 - the scheduler fails that item alone
-                    out[i] = exc
+                    errors[i] = exc
                     continue
-                if isinstance(feed, StepOutput):
-                    _merge(out[i], feed)
+                if tokens is not None:
+                    fed.append((i, session, tokens))
+            self._planned = planned = self._plan(fed, self._planned)
+            for run in planned.runs:
+                results: list[np.ndarray[Any, Any] | Exception]
+                picks = None
+                try:
+                    logits = self.runner.run(run)
+                except Exception as exc:  # noqa: BLE001 - split until only the failing row fails
+                    results = split_failed(run, self._run_rows, exc)
                 else:
-                    fed.append((i, session, feed))
-            rows = self._rows(fed)
-            for run in plan(rows, self.options.max_batch):
-                results = run_isolated([rows[k] for k in run], self._run_rows)
-                for k, result in zip(run, results, strict=True):
-                    i, session, tokens = fed[k]
+                    results = list(logits)
+                    if any(r.picks_argmax for r in run):
+                        # One argmax for the run instead of one per row.
+                        picks = logits.argmax(axis=1).tolist()
+                for j, row in enumerate(run):
+                    i, session, tokens = fed[row.index]
+                    result = results[j]
                     try:
                         if isinstance(result, Exception):
                             raise self.translate_run_error(result, session, len(tokens))
-                        step = session.took(len(tokens), result)
+                        pick = None if picks is None else picks[j]
+                        session.took(len(tokens), result, acc[i], pick)
                     except Exception as exc:  # noqa: BLE001 - that item fails alone
-                        out[i] = exc
-                        continue
-                    _merge(out[i], step)
-            live = [i for i in live if still_going(out[i])]
-        return out
+                        errors[i] = exc
+            live = [i for i in live if errors[i] is None and not acc[i].finished]
+        return [a if e is None else e for a, e in zip(acc, errors, strict=True)]
 
-    def _rows(self, fed: Sequence[tuple[int, DecodeSession, list[int]]]) -> list[RowInput]:
-        """The step's rows, each with its placement read once for planning and binding.
+    def _plan(
+        self, fed: Sequence[tuple[int, DecodeSession, list[int]]], last: _Planned | None
+    ) -> _Planned:
+        """The step's rows and runs; the previous step's again (of this call or the last)
+        while the same rows decode where they were (a run's steady state), with only
+        their tokens new.
 
         Rows freed by sessions that left are filled by moving decode rows into
         them (across the cohorts of one bucket too), so the rows that run together
@@ -344,6 +379,17 @@ class Engine:
         steady state) nothing is moved or even looked at.
         """
         places = [s.cache.placement() for _, s, _ in fed]
+        decoding = all(len(tokens) == 1 for _, _, tokens in fed)
+        if (
+            decoding
+            and last is not None
+            and last.reusable
+            and len(places) == len(last.places)
+            and all(map(operator.is_, places, last.places))
+        ):
+            for row, (_, _, tokens) in zip(last.rows, fed, strict=True):
+                row.tokens = tokens
+            return last
         decode = [
             (k, s.cache)
             for k, (_, s, tokens) in enumerate(fed)
@@ -352,10 +398,13 @@ class Engine:
         if len(decode) > 1 and not _one_span_per_bucket([places[k] for k, _ in decode]):
             self.pool.compact([cache for _, cache in decode])
             places = [s.cache.placement() for _, s, _ in fed]
-        return [
-            RowInput(s.cache, tokens, s.session_id, p)
-            for (_, s, tokens), p in zip(fed, places, strict=True)
+        rows = [
+            _Row(s.cache, tokens, s.session_id, p, k, s.picks_argmax)
+            for k, ((_, s, tokens), p) in enumerate(zip(fed, places, strict=True))
         ]
+        runs = [[rows[k] for k in run] for run in plan(rows, self.options.max_batch)]
+        # A plan with prompt chunks changes next step (they become decode rows).
+        return _Planned(places, rows, runs, reusable=decoding)
 
     def _run_rows(self, rows: Sequence[RowInput]) -> list[np.ndarray[Any, Any]]:
         return list(self.runner.run(rows))
@@ -416,11 +465,3 @@ def _one_span_per_bucket(places: Sequence[Placement]) -> bool:
             return False
         spans[p.capacity] = (group, min(lo, p.row), max(hi, p.row), n + 1)
     return all(hi - lo + 1 == n for _, lo, hi, n in spans.values())
-
-
-def _merge(into: StepOutput | Exception, step: StepOutput) -> None:
-    assert isinstance(into, StepOutput)
-    into.token_ids.extend(step.token_ids)
-    into.text += step.text
-    if step.finished:
-        into.finished, into.finish_reason = True, step.finish_reason

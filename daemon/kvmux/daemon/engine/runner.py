@@ -8,6 +8,7 @@ mixed with decode rows, so no run holds both.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class RowCache(Protocol):
     def ptr(self, array: Any) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RowInput:
     """One row of a run: its cache, the tokens to feed, and a key naming it (a session id).
 
@@ -72,6 +73,8 @@ class _Bound:
     mask: Any  # room for the rows' mask at up to the full capacity, flat
     graph_options: Any = None
     mask_width: int = 0
+    #: The placements :meth:`ModelRunner.check` last passed for these rows.
+    checked: Sequence[Placement] = ()
 
 
 class RowsNotRunnable(ValueError):
@@ -150,18 +153,30 @@ class ModelRunner:
         Each row's cache has counted the tokens when this returns; if the run
         fails, every row is truncated back to where it was and the error raised.
         """
-        places = self.check(rows)
-        p0 = places[0]
+        if not rows:
+            raise RowsNotRunnable("no rows")
         n_rows, n_tok = len(rows), max(len(r.tokens) for r in rows)
         cache0 = rows[0].cache
-        if n_tok == 1:
-            bound = self._decode_binding(p0, n_rows, cache0)
-            for i, r in enumerate(rows):
-                bound.ids[i, 0] = r.tokens[0]
-                bound.pos[i, 0] = r.cache.valid_len
-        else:
-            bound = self._prompt_binding(p0, rows, cache0)
         starts = [r.cache.valid_len for r in rows]
+        if n_tok == 1:
+            if not all(r.cache.capacity for r in rows):
+                self.check(rows)  # raises: a cache with no row has no placement
+            places = [r.placement() for r in rows]
+            p0 = places[0]
+            bound = self._decode_binding(p0, n_rows, cache0)
+            if len(bound.checked) == n_rows and all(map(operator.is_, places, bound.checked)):
+                # The rows this binding last checked, unmoved: only their room can have changed.
+                for r, start in zip(rows, starts, strict=True):
+                    if start >= r.cache.capacity or len(r.tokens) != 1:
+                        self.check([r])
+            else:
+                self.check(rows)
+                bound.checked = places
+            self._put(bound.ids, [r.tokens[0] for r in rows])
+            self._put(bound.pos, starts)
+        else:
+            p0 = self.check(rows)[0]
+            bound = self._prompt_binding(p0, rows, cache0)
         run_options = self._no_graph
         if self.graphs and n_tok == 1:
             if bound.graph_options is None or not all(r.cache.capture_valid for r in rows):
@@ -170,7 +185,7 @@ class ModelRunner:
             run_options = bound.graph_options
         for r in rows:
             r.cache.advance(len(r.tokens))
-        longest = max(r.cache.valid_len for r in rows)
+        longest = max(start + len(r.tokens) for r, start in zip(rows, starts, strict=True))
         width = min(-(-longest // _MASK_STEP) * _MASK_STEP, p0.capacity)
         if n_tok > 1 and n_rows > 1:
             # A mask wider than the prompts reads as past context, which
@@ -201,6 +216,14 @@ class ModelRunner:
             last = self.xp.asnumpy(last)
         return np.asarray(last, dtype=np.float32)
 
+    def _put(self, dst: Any, values: list[int]) -> None:
+        """One value per row into a ``[rows, 1]`` input, in one copy."""
+        if self.device == "cuda":
+            host = np.asarray(values, dtype=dst.dtype).reshape(dst.shape)
+            dst[...] = self.xp.asarray(host)
+        else:
+            dst[:, 0] = values
+
     # -- binding -------------------------------------------------------------------
     def _bind_kv(self, io: Any, p: Placement, n_rows: int, cache: RowCache) -> None:
         spec, dev, did = self.spec, self.device, self.device_id
@@ -228,12 +251,15 @@ class ModelRunner:
         mask = p.mask
         if self.graphs:
             width = p.capacity
-            ptr = cache.ptr(mask) + p.row * p.capacity * mask.dtype.itemsize
         else:
             dst = bound.mask[: n_rows * width].reshape(n_rows, width)
             dst[...] = mask[p.row : p.row + n_rows, :width]
-            ptr = cache.ptr(bound.mask)
         if bound.mask_width != width:
+            # An address costs a few microseconds (ctypes on the host): taken only to bind.
+            if self.graphs:
+                ptr = cache.ptr(mask) + p.row * p.capacity * mask.dtype.itemsize
+            else:
+                ptr = cache.ptr(bound.mask)
             bound.io.bind_input(
                 self.spec.attention_mask_name,
                 self.device,

@@ -218,11 +218,11 @@ class Sampler:
             ends.update(eos_token_ids)
         self._ends = np.array(sorted(ends), dtype=np.int64) if cfg.min_new_tokens else None
         self._penalized = cfg.penalized
-        # Nothing to track: a draw is exactly what it was before these parameters existed.
-        self._plain = not self._penalized and self._ends is None
+        #: Nothing to track: a draw is exactly what it was before these parameters existed.
+        self.plain = not self._penalized and self._ends is None
 
     def __call__(self, logits: npt.NDArray[np.floating]) -> int:
-        if self._plain:
+        if self.plain:
             return self._draw(logits)
         token = self._draw(self._shaped(logits))
         self._drawn += 1

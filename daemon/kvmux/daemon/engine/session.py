@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,8 +79,12 @@ class DecodeSession:
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.cache = cache
-        self._eos = engine.spec.eos_token_ids
-        self.sampler = Sampler(sampling, prompt_ids, self._eos)
+        eos = engine.spec.eos_token_ids
+        self.sampler = Sampler(sampling, prompt_ids, eos)
+        # A stop token id ends the item like EOS: neither is part of its tokens or text.
+        self._ends = sampling.stop_token_ids | (set() if sampling.ignore_eos else set(eos))
+        hard = cache.hard_max.value
+        self._limit = sys.maxsize if hard is None else hard
         decoder = engine.tokenizer.incremental_decoder(
             skip_special_tokens=sampling.skip_special_tokens
         )
@@ -91,6 +96,9 @@ class DecodeSession:
         self._chunk = engine.options.prefill_chunk
         self._prompt_pos = 0
         self._pending: int | None = None
+        #: Its next token is the logits' argmax and nothing else (greedy, no penalty,
+        #: no min_tokens, no logprobs): the engine may take it for a whole run at once.
+        self.picks_argmax = self.sampler.plain and sampling.greedy and sampling.logprobs is None
 
     # -- what the scheduler asks -----------------------------------------
     @property
@@ -137,10 +145,11 @@ class DecodeSession:
         return ensure_capacity(self.cache, self.required_capacity())
 
     # -- one step, as the engine drives it ------------------------------------
-    def feed(self) -> list[int] | StepOutput:
+    def feed(self, into: StepOutput) -> list[int] | None:
         """What the next run feeds this session (a prompt chunk, or the last sampled
-        token), growing its cache first when the step does not fit; or its end, with
-        "length", when the context is full (as vLLM does at max_model_len).
+        token), growing its cache first when the step does not fit; or None when the
+        context is full: then it has finished, with "length", into ``into`` (as vLLM
+        does at max_model_len).
 
         Prompts over the hard maximum were refused at admission, so only decoding
         reaches the end here. One pass over the state: this runs per row per step.
@@ -150,12 +159,18 @@ class DecodeSession:
         cache = self.cache
         pos = self._prompt_pos
         prefilling = pos < len(self.prompt_ids)
+        if not prefilling:  # the common case, first: a decode step that fits its bucket
+            need = cache.valid_len + 1
+            if need <= cache.capacity and need <= self._limit:
+                assert self._pending is not None
+                return [self._pending]
         n = min(len(self.prompt_ids) - pos, self._chunk) if prefilling else 1
         need = cache.valid_len + n
         hard = cache.hard_max.value
         if hard is not None and need > hard:
             if not prefilling:
-                return self._finish("length")
+                self._finish("length", into)
+                return None
         elif need > cache.capacity:
             ensure_capacity(cache, need)
         if prefilling:
@@ -163,17 +178,25 @@ class DecodeSession:
         assert self._pending is not None
         return [self._pending]
 
-    def took(self, n: int, logits: np.ndarray[Any, Any]) -> StepOutput:
-        """A run fed the ``n`` tokens of :meth:`next_tokens`; ``logits`` are its last position's."""
-        if self.prefilling:
+    def took(
+        self, n: int, logits: np.ndarray[Any, Any], into: StepOutput, pick: int | None = None
+    ) -> None:
+        """A run fed the ``n`` tokens of :meth:`feed`; ``logits`` are its last position's.
+        What the step produced goes into ``into``. ``pick`` is the logits' argmax when
+        the caller took it for a whole run at once; only a :attr:`picks_argmax`
+        session uses it."""
+        if self._prompt_pos < len(self.prompt_ids):
             self._prompt_pos += n
-            if self.prefilling:
-                return StepOutput()
+            if self._prompt_pos < len(self.prompt_ids):
+                return
+        if pick is not None and self.picks_argmax:
+            self._accept(pick, None, into)
+            return
         token = self.sampler(logits)
         entry = None
         if self.sampling.logprobs is not None:
             entry = step_logprobs(logits, token, self.sampling.logprobs)
-        return self._accept(token, entry)
+        self._accept(token, entry, into)
 
     def step(self) -> StepOutput:
         """One step of this session alone (tests, the CLI): the engine's step of a batch of one."""
@@ -184,27 +207,27 @@ class DecodeSession:
             raise out
         return out
 
-    def _accept(self, token: int, logprobs: StepLogprobs | None = None) -> StepOutput:
-        # A stop token id ends the item like EOS: neither is part of its tokens or text.
-        if (token in self._eos and not self.sampling.ignore_eos) or (
-            token in self.sampling.stop_token_ids
-        ):
-            return self._finish("stop")
+    def _accept(self, token: int, logprobs: StepLogprobs | None, into: StepOutput) -> None:
+        if token in self._ends:
+            self._finish("stop", into)
+            return
         self.generated.append(token)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
-        text = self.stream.push(token)
+        into.token_ids.append(token)
+        into.text += self.stream.push(token)
         if self.stream.stopped:
-            return self._finish("stop", [token], text)
-        if len(self.generated) >= self.sampling.max_new_tokens:
-            return self._finish("length", [token], text)
-        self._pending = token
-        return StepOutput([token], text)
+            self._finish("stop", into)
+        elif len(self.generated) >= self.sampling.max_new_tokens:
+            self._finish("length", into)
+        else:
+            self._pending = token
 
-    def _finish(self, reason: str, tokens: list[int] | None = None, text: str = "") -> StepOutput:
+    def _finish(self, reason: str, into: StepOutput) -> None:
         self.finished = True
         self.finish_reason = reason
-        return StepOutput(tokens or [], text + self.stream.finish(), True, reason)
+        into.text += self.stream.finish()
+        into.finished, into.finish_reason = True, reason
 
     def completion(self) -> Completion:
         if not self.finished or self.finish_reason is None:

@@ -24,6 +24,11 @@ class TextStream:
         """Add one token; return the text now safe to show."""
         if self.stopped:
             return ""
+        if not self._stops:  # nothing held back: the piece is the delta
+            piece = self._decoder.push(token_id)
+            self.text += piece
+            self._emitted = len(self.text)
+            return piece
         scan_from = max(len(self.text) - self._holdback, 0)
         self.text += self._decoder.push(token_id)
         if self._stops:
