@@ -554,7 +554,10 @@ class RowKvCache(KvState):
             raise ValueError(
                 f"cannot advance {n} tokens: valid {self._valid_len}, capacity {self._capacity}"
             )
-        self._cohort.mask[self._row, self._valid_len : end] = 1
+        if n == 1:  # a decode step, per row: an element costs a sixth of a slice
+            self._cohort.mask[self._row, self._valid_len] = 1
+        else:
+            self._cohort.mask[self._row, self._valid_len : end] = 1
         self._valid_len = end
 
     def truncate(self, length: int) -> None:
