@@ -91,8 +91,10 @@ def test_invalid_env_fails_loudly_at_start() -> None:
 def test_a_slowed_failpoint_sleeps_without_failing() -> None:
     import time
 
+    assert not failpoints.any_active()
     failpoints.slow("kv.copy_prefix", 0.05)
     assert failpoints.active("kv.copy_prefix") and not failpoints.active("kv.allocate")
+    assert failpoints.any_active()
     t0 = time.perf_counter()
     failpoints.hit("kv.copy_prefix")  # sleeps, does not raise
     assert time.perf_counter() - t0 >= 0.045
@@ -100,7 +102,7 @@ def test_a_slowed_failpoint_sleeps_without_failing() -> None:
     failpoints.hit("kv.allocate")  # other names are not slowed
     assert time.perf_counter() - t0 < 0.01
     failpoints.disarm("kv.copy_prefix")
-    assert not failpoints.active("kv.copy_prefix")
+    assert not failpoints.active("kv.copy_prefix") and not failpoints.any_active()
     t0 = time.perf_counter()
     failpoints.hit("kv.copy_prefix")
     assert time.perf_counter() - t0 < 0.01

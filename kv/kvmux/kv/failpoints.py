@@ -86,6 +86,11 @@ def active(name: str) -> bool:
     return name in _slow or name in _armed
 
 
+def any_active() -> bool:
+    """Whether any failpoint is armed or slowed."""
+    return bool(_slow or _armed)
+
+
 def armed() -> dict[str, int]:
     with _lock:
         return dict(_armed)
