@@ -31,12 +31,11 @@ class TextStream:
             return piece
         scan_from = max(len(self.text) - self._holdback, 0)
         self.text += self._decoder.push(token_id)
-        if self._stops:
-            hits = [i for s in self._stops if (i := self.text.find(s, scan_from)) >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-                return self._take(len(self.text))
+        hits = [i for s in self._stops if (i := self.text.find(s, scan_from)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return self._take(len(self.text))
         return self._take(max(len(self.text) - self._holdback, self._emitted))
 
     def finish(self) -> str:

@@ -40,9 +40,9 @@ _MAX_CHUNK_STEPS = 64
 # However long the sessions could go on, a run returns to the loop after this
 # long: a safety net, since everything that changes the ready set stops it.
 _MAX_RUN_SECONDS = 0.25
+_MAX_RUN_STEPS = 1 << 30  # what fits before any bucket's room bounds it
 # Sessions of one admission the loop opens itself on the host (see _opens_inline).
 _INLINE_OPENS = 4
-_MAX_RUN_STEPS = 1 << 30  # what fits before any bucket's room bounds it
 
 _FAILURE_CODES = frozenset(
     {"kv_capacity_exceeded", "kv_growth_failed", "run_failed", "internal", "shutdown"}
