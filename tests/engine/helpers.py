@@ -39,6 +39,8 @@ def decode(
             session.step()
             if not capacities or capacities[-1] != session.cache.capacity:
                 capacities.append(session.cache.capacity)
+        # Every kept token was picked from recorded logits (none by a run's argmax).
+        assert len(rec.logits) >= len(session.generated)
         return list(session.generated), rec.logits, capacities
     finally:
         session.release()

@@ -76,7 +76,10 @@ def _drive(
     result = {}
     for p in plans:
         assert p.session is not None
-        result[p.sid] = (list(p.session.generated), recorders[p.sid].logits)
+        logits = recorders[p.sid].logits
+        if not argmax or not p.session.picks_argmax:
+            assert len(logits) >= len(p.session.generated), f"{p.sid}: picks not recorded"
+        result[p.sid] = (list(p.session.generated), logits)
         p.session.release()
     return result
 

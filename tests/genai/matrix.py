@@ -552,6 +552,9 @@ def engine_greedy(folder: Path, n_new: int = N_NEW) -> Decode:
         return pick(row)
 
     session.sampler = keep  # type: ignore[assignment]
+    # Every pick through ``keep``: not the engine's argmax for a whole run, which
+    # calls no sampler (and would leave nothing to compare).
+    session.picks_argmax = False
     growths, capacity = 0, None
     try:
         while not session.finished:
@@ -564,6 +567,8 @@ def engine_greedy(folder: Path, n_new: int = N_NEW) -> Decode:
     finally:
         session.release()
     tokens = completion.token_ids + ([gf.EOS_ID] if completion.finish_reason == "stop" else [])
+    if len(logits) != len(tokens):
+        raise RuntimeError(f"{len(logits)} logits recorded for {len(tokens)} picks")
     return Decode(tokens, logits, growths)
 
 
