@@ -166,8 +166,7 @@ class DecodeSession:
                 return [self._pending]
         n = min(len(self.prompt_ids) - pos, self._chunk) if prefilling else 1
         need = cache.valid_len + n
-        hard = cache.hard_max.value
-        if hard is not None and need > hard:
+        if need > self._limit:
             if not prefilling:
                 self._finish("length", into)
                 return None
