@@ -213,13 +213,15 @@ class Sampler:
         self._prompt_ids = prompt_ids
         self._counts: npt.NDArray[np.int64] | None = None
         self._seen: npt.NDArray[np.bool_] | None = None
-        ends = set(cfg.stop_token_ids)
-        if not cfg.ignore_eos:
-            ends.update(eos_token_ids)
-        self._ends = np.array(sorted(ends), dtype=np.int64) if cfg.min_new_tokens else None
+        #: The ids that end the item: its stop token ids, and EOS unless it ignores EOS.
+        self.ends = cfg.stop_token_ids | (
+            frozenset() if cfg.ignore_eos else frozenset(eos_token_ids)
+        )
+        # Masked while fewer than min_new_tokens tokens exist (None: no minimum).
+        self._held_off = np.array(sorted(self.ends), dtype=np.int64) if cfg.min_new_tokens else None
         self._penalized = cfg.penalized
         #: Nothing to track: a draw is exactly what it was before these parameters existed.
-        self.plain = not self._penalized and self._ends is None
+        self.plain = not self._penalized and self._held_off is None
 
     def __call__(self, logits: npt.NDArray[np.floating]) -> int:
         if self.plain:
@@ -235,9 +237,9 @@ class Sampler:
     def _shaped(self, logits: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
         """The logits after min_tokens and the penalties (the raw ones when neither is set)."""
         x = logits
-        if self._ends is not None and self._drawn < self.cfg.min_new_tokens:
+        if self._held_off is not None and self._drawn < self.cfg.min_new_tokens:
             x = x.astype(np.float64)
-            x[self._ends[self._ends < x.shape[0]]] = -np.inf
+            x[self._held_off[self._held_off < x.shape[0]]] = -np.inf
         if self._penalized:
             x = self._penalize(x)
         return x

@@ -79,10 +79,9 @@ class DecodeSession:
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.cache = cache
-        eos = engine.spec.eos_token_ids
-        self.sampler = Sampler(sampling, prompt_ids, eos)
+        self.sampler = Sampler(sampling, prompt_ids, engine.spec.eos_token_ids)
         # A stop token id ends the item like EOS: neither is part of its tokens or text.
-        self._ends = sampling.stop_token_ids | (set() if sampling.ignore_eos else set(eos))
+        self._ends = self.sampler.ends
         hard = cache.hard_max.value
         self._limit = sys.maxsize if hard is None else hard
         decoder = engine.tokenizer.incremental_decoder(
