@@ -27,6 +27,9 @@ _ENVELOPE_BYTES = 1024
 # Waiting for queue room: the first pause when the daemon gives no hint, the longest one.
 _BACKOFF_FIRST = 0.05
 _BACKOFF_MAX = 2.0
+# How long one request waits out refusals for want of request budget, all told.
+BUDGET_WAIT = 60.0
+_decode_result = msgspec.msgpack.Decoder(p.ItemResult).decode
 
 Format = Literal["kvmux", "openai"]
 
@@ -64,8 +67,15 @@ class Job:
         self.results_by_index: dict[int, p.ItemResult] = {}
         self.finished = False
         self._queue: asyncio.Queue[p.Event | KvmuxError] = asyncio.Queue()
+        # Results too large for one message, as their parts arrive (by item index).
+        self._parts: dict[int, bytearray] = {}
 
     def _push(self, event: p.Event | KvmuxError) -> None:
+        if isinstance(event, p.ItemFinishedPart):
+            joined = _join(self._parts, event.index, event.offset, event.size, event.data)
+            if joined is None:
+                return
+            event = p.ItemFinished(job_id=event.job_id, result=joined)
         if isinstance(event, p.ItemFinished) and self.keep_results:
             self.results_by_index[event.result.index] = event.result
         elif isinstance(event, p.JobFinished):
@@ -111,11 +121,18 @@ class Job:
         """Every result the daemon holds for this job from item ``start`` on, a page at a
         time, without keeping them."""
         at: int | None = start
+        offset = 0
+        parts: dict[int, bytearray] = {}
         while at is not None:
-            page = await self.client._results_page(self.job_id, at)
+            page = await self.client._results_page(self.job_id, at, offset)
             for r in page.results:
                 yield r
-            at = page.next
+            part = page.part
+            if part is not None:
+                joined = _join(parts, part.index, part.offset, part.size, part.data)
+                if joined is not None:
+                    yield joined
+            at, offset = page.next, page.next_offset
 
     def _seed(self, done: bool) -> None:
         if done:
@@ -326,16 +343,21 @@ class Client:
         _keep(job, keep_results)
         return job
 
-    async def _results_page(self, job_id: str, start: int) -> p.ResultsPage:
-        reply = await self._request(p.Results(id=0, job_id=job_id, start=start))
+    async def _results_page(self, job_id: str, start: int, offset: int = 0) -> p.ResultsPage:
+        reply = await self._request(p.Results(id=0, job_id=job_id, start=start, offset=offset))
         assert isinstance(reply, p.ResultsPage)
         return reply
 
     async def jobs(self) -> list[p.JobInfo]:
         """This caller's jobs (every job for an operator), running and retained."""
-        reply = await self._request(p.ListJobs(id=0))
-        assert isinstance(reply, p.JobList)
-        return reply.jobs
+        out: list[p.JobInfo] = []
+        at: int | None = 0
+        while at is not None:
+            reply = await self._request(p.ListJobs(id=0, start=at))
+            assert isinstance(reply, p.JobList)
+            out.extend(reply.jobs)
+            at = reply.next
+        return out
 
     async def cancel(self, job_id: str) -> None:
         await self._request(p.Cancel(id=0, job_id=job_id))
@@ -382,6 +404,24 @@ class Client:
                     await self._request(p.UnsubscribeLogs(id=0))
 
     async def _request(self, msg: p.Request) -> p.Reply:
+        """Send ``msg`` and wait for its reply. A refusal for want of request budget
+        (``overloaded`` naming a ``budget``: nothing was done) is waited out as its
+        ``retry_after`` says, up to :data:`BUDGET_WAIT` seconds in all."""
+        deadline: float | None = None
+        while True:
+            try:
+                return await self._request_once(msg)
+            except Overloaded as exc:
+                retry = exc.details.get("retry_after")
+                if "budget" not in exc.details or not isinstance(retry, int | float):
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + max(BUDGET_WAIT, self.timeout)
+                if now + retry > deadline:
+                    raise
+                await asyncio.sleep(retry)
+
+    async def _request_once(self, msg: p.Request) -> p.Reply:
         if self._lost is not None:
             raise self._lost
         if self._sock is None:
@@ -470,6 +510,24 @@ class Client:
             if not job.finished:
                 job._push(exc)
         self._jobs.clear()
+
+
+def _join(
+    parts: dict[int, bytearray], index: int, offset: int, size: int, data: bytes
+) -> p.ItemResult | None:
+    """Add a part of result ``index``; the result once its last part is in. A part
+    that does not follow the one before (a message was lost) drops what was joined:
+    the result is still the daemon's to page through."""
+    joined = parts.pop(index, None)
+    if offset == 0:
+        joined = bytearray()
+    elif joined is None or len(joined) != offset:
+        return None
+    joined += data
+    if len(joined) < size:
+        parts[index] = joined
+        return None
+    return _decode_result(joined)
 
 
 def _keep(job: Job, keep_results: bool) -> None:

@@ -20,7 +20,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+
+# Every message the daemon sends is at most this many bytes: a client that
+# never reads pins a known number of bytes, whatever it asked for. A result
+# larger than that travels in parts (:class:`ResultPart`, :class:`ItemFinishedPart`)
+# that the client joins back into the very bytes of the result.
+MAX_REPLY_BYTES = 256 * 1024
+# What a part of a result carries, leaving room for the message around it.
+PART_BYTES = MAX_REPLY_BYTES - 1024
 
 RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 JobId = Annotated[str, Meta(min_length=1, max_length=64)]
@@ -160,14 +168,22 @@ class Attach(_Request, tag="attach", frozen=True):
 
 
 class Results(_Request, tag="results", frozen=True):
-    """The job's finished results with item index >= ``start``, one bounded page."""
+    """The job's finished results with item index >= ``start``, one bounded page.
+
+    ``offset`` goes on with a result too large for one page: the next part of
+    result ``start``'s encoding from that byte on (what the previous page's
+    ``next_offset`` said)."""
 
     job_id: JobId
     start: Annotated[int, Meta(ge=0, lt=2**31)] = 0
+    offset: Annotated[int, Meta(ge=0, lt=2**40)] = 0
 
 
 class ListJobs(_Request, tag="jobs", frozen=True):
-    """The caller's jobs, running and retained (every job for an operator)."""
+    """The caller's jobs, running and retained (every job for an operator), oldest
+    first, one bounded page from the ``start``-th on."""
+
+    start: Annotated[int, Meta(ge=0, lt=2**31)] = 0
 
 
 class Detach(_Request, tag="detach", frozen=True):
@@ -301,6 +317,19 @@ class ItemFinished(_Event, tag="item_finished", frozen=True):
     result: ItemResult
 
 
+class ItemFinishedPart(_Event, tag="item_finished_part", frozen=True):
+    """A part of an :class:`ItemFinished` whose result is larger than a message:
+    ``data`` is the result's msgpack encoding from byte ``offset`` on, of ``size``
+    in all; parts come in order, one message each. The client joins them and
+    hands on one :class:`ItemFinished` (a part lost to a full buffer loses the
+    event, not the result: :class:`Results` still has it)."""
+
+    index: int
+    offset: int
+    size: int
+    data: bytes
+
+
 class JobFinished(_Event, tag="job_finished", frozen=True):
     """Every item of the job has a result."""
 
@@ -309,7 +338,7 @@ class JobFinished(_Event, tag="job_finished", frozen=True):
     failed: int
 
 
-Event = ItemStarted | TokenDelta | ItemFinished | JobFinished
+Event = ItemStarted | TokenDelta | ItemFinished | ItemFinishedPart | JobFinished
 
 
 class GrowthStats(msgspec.Struct, frozen=True):
@@ -375,6 +404,15 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     frames_dropped: int = 0
     clients_disconnected: int = 0
     replies_dropped: int = 0
+    # Valid requests answered `overloaded` because their connection or owner had
+    # spent its request budget (see [budget]).
+    requests_refused: int = 0
+    # The most bytes of replies one client that never reads can pin in the daemon:
+    # libzmq's pipe of messages of at most MAX_REPLY_BYTES, plus the daemon's own
+    # backlog (server.max_client_buffer_bytes).
+    client_bound_bytes: int = 0
+    # Sessions left out of ``sessions`` to keep the reply within MAX_REPLY_BYTES.
+    sessions_omitted: int = 0
 
 
 class JobInfo(msgspec.Struct, frozen=True):
@@ -440,9 +478,23 @@ class Attached(_Reply, tag="attached", frozen=True):
     format: Literal["kvmux", "openai"] = "kvmux"
 
 
+class ResultPart(msgspec.Struct, frozen=True):
+    """Part of one result too large for a page: its msgpack encoding from byte
+    ``offset`` on, of ``size`` bytes in all."""
+
+    index: int
+    offset: int
+    size: int
+    data: bytes
+
+
 class ResultsPage(_Reply, tag="results", frozen=True):
     """Finished results from ``start`` on, as many as fit one reply; ``next`` is
-    where the following page starts (None: no finished result beyond this page)."""
+    where the following page starts (None: no finished result beyond this page).
+
+    A result larger than a page comes alone, as ``part``s over several pages:
+    the next one is asked for with ``start=next, offset=next_offset`` (the same
+    index while parts remain)."""
 
     id: int
     job_id: str
@@ -450,13 +502,17 @@ class ResultsPage(_Reply, tag="results", frozen=True):
     done: bool
     results: list[ItemResult]
     next: int | None
+    part: ResultPart | None = None
+    next_offset: int = 0
 
 
 class JobList(_Reply, tag="jobs", frozen=True):
-    """The answer to :class:`ListJobs`, oldest first."""
+    """The answer to :class:`ListJobs`, oldest first; ``next`` is where the following
+    page starts (None: this was the last)."""
 
     id: int
     jobs: list[JobInfo]
+    next: int | None = None
 
 
 class Ack(_Reply, tag="ack", frozen=True):

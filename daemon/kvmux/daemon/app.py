@@ -29,6 +29,7 @@ from kvmux.client.errors import ShuttingDown
 from kvmux.kv import KvConfigError, MemoryBudget, failpoints, format_bytes, resolve_min_bucket
 
 from .access import OPERATOR, Caller
+from .budget import RequestBudget
 from .config import Config, ConfigError, ModelConfig
 from .coordinator import GrowthCoordinator
 from .engine import Engine, EngineOptions
@@ -37,7 +38,7 @@ from .metrics import Metrics
 from .model import resolve_model
 from .notify import Notifier
 from .scheduler import Scheduler
-from .server import Server
+from .server import Server, client_bound_bytes
 from .worker import EngineWorker
 
 log = structlog.get_logger("kvmux.daemon")
@@ -47,6 +48,9 @@ try:
 except PackageNotFoundError:  # a source tree without an install
     DAEMON_VERSION = "0+unknown"
 
+
+# Sessions a status reply lists at most, so it stays within one message.
+STATUS_SESSIONS = 1024
 
 # [model] keys that name a file or folder (by name, so a key added later is checked too).
 _PATH_SUFFIXES = ("path", "_file", "_template", "_dir")
@@ -121,6 +125,8 @@ class Daemon:
         self.model_name = config.model.path or config.model.name
         self.journal: Journal | None = None
         self.instance = secrets.token_hex(8)
+        # Shared by every front: an owner's requests cost the same budget on each.
+        self.budget = RequestBudget(config.budget)
 
     # -- lifecycle ---------------------------------------------------------------
     def _load_engine(self) -> Engine:
@@ -150,7 +156,13 @@ class Daemon:
         self, *, task_status: anyio.abc.TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         try:
-            server = Server(self.endpoint, self.config.server, hello=self.hello, status=self.status)
+            server = Server(
+                self.endpoint,
+                self.config.server,
+                hello=self.hello,
+                status=self.status,
+                budget=self.budget,
+            )
             self.server = server
             # Bound before the model loads: a second daemon on this socket fails
             # at once, and clients see "loading" rather than "unreachable" while
@@ -330,6 +342,7 @@ class Daemon:
                 0,
             )
         )
+        sessions = scheduler.sessions(caller) if scheduler is not None else []
         return p.DaemonStatus(
             state=self.state,
             version=DAEMON_VERSION,
@@ -348,13 +361,16 @@ class Daemon:
             device_total_bytes=None if mem is None else mem.total,
             memory_source="unavailable" if mem is None else mem.source,
             growth=self.coordinator.stats(),
-            sessions=scheduler.sessions(caller) if scheduler is not None else [],
+            sessions=sessions[:STATUS_SESSIONS],
+            sessions_omitted=max(0, len(sessions) - STATUS_SESSIONS),
             caller=caller.owner,
             caller_is_operator=caller.operator,
             frames_rejected=self.server.rejected if self.server else 0,
             frames_dropped=self.server.dropped_frames if self.server else 0,
             clients_disconnected=self.server.disconnected if self.server else 0,
             replies_dropped=self.server.lost_replies if self.server else 0,
+            requests_refused=self.budget.refused,
+            client_bound_bytes=client_bound_bytes(cfg.server),
         )
 
 

@@ -21,6 +21,7 @@ import msgspec
 __all__ = [
     "BUILTIN_MODELS",
     "EX_CONFIG",
+    "BudgetConfig",
     "Config",
     "ConfigError",
     "JobsConfig",
@@ -108,6 +109,17 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     handshake_timeout: PositiveFloat = 5.0
 
 
+class BudgetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[budget]``: what valid requests may cost the daemon's event loop, per
+    connection and per owner, in seconds of loop time a second (0 = unlimited);
+    past it a request is answered ``overloaded`` with a ``retry_after``."""
+
+    connection_rate: NonNegFloat = 0.05
+    connection_burst: PositiveFloat = 0.1
+    owner_rate: NonNegFloat = 0.1
+    owner_burst: PositiveFloat = 0.25
+
+
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[kv]``: the KV-cache bucket floor, explicit cap and memory budget."""
 
@@ -179,6 +191,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    budget: BudgetConfig = msgspec.field(default_factory=BudgetConfig)
     kv: KvConfig = msgspec.field(default_factory=KvConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     jobs: JobsConfig = msgspec.field(default_factory=JobsConfig)

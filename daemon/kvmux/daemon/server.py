@@ -13,9 +13,15 @@ client sends may end, stall or bloat the daemon:
   scheduler, the replies or the heartbeats;
 - each sender has a budget of malformed frames (replied, then dropped, then
   its connection is shut);
-- libzmq buffers at most ``_RECV_HWM`` messages from and ``_SEND_HWM``
-  messages to each connection, and the daemon itself at most
-  ``server.max_client_buffer_bytes`` for a client that does not read;
+- valid requests cost what they take to answer, against a budget per
+  connection and per owner (:mod:`.budget`); past it they are answered
+  ``overloaded`` before anything is built for them, and nothing is built for
+  a client whose replies are not being read;
+- every message sent is at most ``MAX_REPLY_BYTES`` (:mod:`.framing`); libzmq
+  buffers at most ``_RECV_HWM`` messages from and ``_SEND_HWM`` messages to
+  each connection, and the daemon itself at most
+  ``server.max_client_buffer_bytes`` for a client that does not read, so such
+  a client pins at most :func:`client_bound_bytes`;
 - the daemon stops accepting connections before it runs out of file
   descriptors (libzmq aborts on EMFILE), and half-open connections are
   closed after ``server.handshake_timeout``;
@@ -25,6 +31,7 @@ client sends may end, stall or bloat the daemon:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import os
@@ -36,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -49,11 +56,21 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvmux.client import protocol as p
 from kvmux.client.endpoint import ipc_path
-from kvmux.client.errors import BadRequest, KvmuxError, NotReady, Unauthorized, VersionMismatch
+from kvmux.client.errors import (
+    BadRequest,
+    Internal,
+    KvmuxError,
+    NotReady,
+    Overloaded,
+    Unauthorized,
+    VersionMismatch,
+)
 
 from .access import ANONYMOUS, Caller, curve_caller, ipc_caller
+from .budget import Bucket, RequestBudget
 from .config import ConfigError, ServerConfig
 from .errors import error_info
+from .framing import event_messages, log_messages
 from .logs import LogSubscription, hub
 from .scheduler import Scheduler
 
@@ -62,12 +79,22 @@ log = structlog.get_logger("kvmux.server")
 # libzmq's per-connection pipes, in messages. Inbound: a connection the loop
 # has not caught up with holds at most this many (each <= max_message_bytes),
 # then libzmq stops reading it. Outbound: past this, a client's messages wait
-# in the daemon's own byte-bounded backlog.
+# in the daemon's own byte-bounded backlog. Each is at most MAX_REPLY_BYTES.
 _RECV_HWM = 4
-_SEND_HWM = 64
-# A results page stays under this, so one reply (and _SEND_HWM of them) is bounded.
-RESULTS_PAGE_BYTES = 256 * 1024
+_SEND_HWM = 32
 _FD_CHECK_SECONDS = 0.02
+# Answered ``overloaded`` while the connection's or the owner's budget is spent;
+# the rest only release things (or keep the connection alive) and always pass.
+_METERED = p.Submit | p.AddItems | p.Attach | p.Results | p.ListJobs | p.Status | p.SubscribeLogs
+# Requests that build a reply of some size: not built for a client not reading.
+_BUILDS_REPLY = p.Attach | p.Results | p.ListJobs | p.Status
+# How long a client whose replies pile up is told to wait before asking again.
+_NOT_READING_RETRY = 1.0
+
+
+def client_bound_bytes(cfg: ServerConfig) -> int:
+    """The most bytes of replies one client that never reads can pin in the daemon."""
+    return _SEND_HWM * p.MAX_REPLY_BYTES + cfg.max_client_buffer_bytes
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -115,6 +142,7 @@ class Peer:
     caller: Caller
     seen: float
     fd: int | None
+    bucket: Bucket  # its request budget (see .budget)
     # Malformed-frame budget: a token bucket, and frames dropped since it was last full.
     allowance: float
     allowance_at: float
@@ -136,17 +164,23 @@ class Server:
         *,
         hello: Callable[[], p.Welcome],
         status: Callable[[Caller], p.DaemonStatus],
+        budget: RequestBudget,
     ) -> None:
         self.endpoint = endpoint
         self.cfg = cfg
+        self.budget = budget
         self.scheduler: Scheduler | None = None
         self._hello = hello
         self._instance = hello().instance  # heartbeat acks name it
         self._status = status
+        # An asyncio context for the CURVE authenticator's ZAP socket; the ROUTER
+        # itself is a plain socket driven from the loop (see _receive_loop).
         self._ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._bound: str | None = None  # what sock.bind() resolved the endpoint to
-        self._out, self._out_rx = anyio.create_memory_object_stream[tuple[bytes, bytes]](math.inf)
+        # Set when the socket may have something to read: its descriptor became
+        # readable, or a send may have taken the edge that would have said so.
+        self._readable = asyncio.Event()
         self._peers: dict[bytes, Peer] = {}
         self._backlogged: set[bytes] = set()  # peers with replies held back
         self._banned: dict[bytes, float] = {}  # identities shut for garbage, until when
@@ -163,10 +197,11 @@ class Server:
         self.dropped_frames = 0
         self.disconnected = 0
         self.lost_replies = 0
+        self.bytes_queued = 0  # every byte handed to the sender, for request costs
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
@@ -187,7 +222,7 @@ class Server:
             os.chmod(path, 0o660)
         self._sock = sock
 
-    def _enable_curve(self, sock: zmq.asyncio.Socket) -> None:
+    def _enable_curve(self, sock: zmq.Socket[bytes]) -> None:
         """Encrypt, and admit only clients whose public key is in the authorized folder."""
         cfg = self.cfg
         if not zmq.has("curve"):
@@ -230,15 +265,20 @@ class Server:
     ) -> None:
         if self._sock is None:
             self.bind()
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        fd = cast(int, self._sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._readable.set)
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                tg.start_soon(self._send_loop)
+                tg.start_soon(self._backlog_loop)
                 tg.start_soon(self._reap_loop)
                 tg.start_soon(self._fd_guard)
                 task_status.started()
                 await self._receive_loop()
         finally:
+            loop.remove_reader(fd)
             self.close()
 
     def close(self) -> None:
@@ -251,17 +291,15 @@ class Server:
         for sub, _ in self._log_subs.values():
             hub.unsubscribe(sub)
         self._log_subs.clear()
-        self._out.close()
-        self._out_rx.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
         self._ctx.term()
 
     async def flush(self, timeout: float = 2.0) -> None:
-        """Wait until every queued message was handed to ZeroMQ (used at shutdown)."""
+        """Wait until every held message was handed to ZeroMQ (used at shutdown)."""
         with anyio.move_on_after(timeout):
-            while self._out_rx.statistics().current_buffer_used or self._backlogged:
+            while self._backlogged:
                 await anyio.sleep(0.01)
 
     @property
@@ -274,43 +312,48 @@ class Server:
 
     # -- sending -----------------------------------------------------------------
     def send(self, ident: bytes, msg: p.Reply) -> None:
-        # After a forced stop closed the stream nothing can be delivered any more.
-        with contextlib.suppress(anyio.ClosedResourceError):
-            self._out.send_nowait((ident, p.encode(msg)))
+        data = p.encode(msg)
+        if len(data) > p.MAX_REPLY_BYTES:
+            # Every builder bounds its reply; one that did not is a bug, and the
+            # bound on what a client can pin must hold regardless.
+            log.error("reply_too_large", kind=type(msg).__name__, bytes=len(data))
+            rid = getattr(msg, "id", None)
+            error = Internal(f"kvmuxd built a {type(msg).__name__} reply over its size bound")
+            data = p.encode(p.ErrorReply(id=rid, error=error.to_info()))
+        self._queue(ident, data)
 
-    def deliver(self, owner: bytes, events: list[p.Event]) -> None:
-        """The scheduler's outlet: one message per client per step."""
-        self.send(owner, p.Events(events=events))
-
-    async def _send_loop(self) -> None:
-        while True:
-            with anyio.move_on_after(0.005 if self._backlogged else math.inf):
-                try:
-                    ident, data = await self._out_rx.receive()
-                except (anyio.EndOfStream, anyio.ClosedResourceError):
-                    return
-                await self._send_or_hold(ident, data)
-                continue
-            await self._retry_backlogs()
-
-    async def _send_or_hold(self, ident: bytes, data: bytes) -> None:
+    def _queue(self, ident: bytes, data: bytes) -> None:
+        """Hand ``data`` to libzmq now, or hold it behind what already waits for that
+        client: sent in call order, so a request's reply leaves before the events
+        that follow it."""
+        self.bytes_queued += len(data)
         peer = self._peers.get(ident)
         if peer is not None and peer.backlog:
             self._hold(ident, peer, data)  # keep the order: behind what already waits
             return
-        if await self._try_send(ident, data) is False and peer is not None:
+        if self._try_send(ident, data) is False and peer is not None:
             self._hold(ident, peer, data)
 
-    async def _try_send(self, ident: bytes, data: bytes) -> bool | None:
+    def deliver(self, owner: bytes, events: list[p.Event]) -> None:
+        """The scheduler's outlet: one message per client per step (more only when
+        they would not fit one message)."""
+        for data in event_messages(events):
+            self._queue(owner, data)
+
+    def _try_send(self, ident: bytes, data: bytes) -> bool | None:
         """True: sent; False: the client's pipe is full; None: the client is gone."""
-        if self._sock is None:
+        if self._sock is None:  # after a forced stop nothing can be delivered any more
             return None
         try:
-            await self._sock.send_multipart([ident, data], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([ident, data], flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError:  # EHOSTUNREACH: that connection is gone
             return None
+        finally:
+            # A send lets libzmq process its mailbox, which may take the edge that
+            # would have woken the receiver for a message that came in meanwhile.
+            self._readable.set()
         return True
 
     def _hold(self, ident: bytes, peer: Peer, data: bytes) -> None:
@@ -329,30 +372,43 @@ class Server:
         peer.backlog_bytes += len(data)
         self._backlogged.add(ident)
 
-    async def _retry_backlogs(self) -> None:
-        for ident in list(self._backlogged):
-            peer = self._peers.get(ident)
-            while peer is not None and peer.backlog:
-                sent = await self._try_send(ident, peer.backlog[0])
-                if sent is False:
-                    break
-                data = peer.backlog.popleft()
-                peer.backlog_bytes -= len(data)
-            if peer is None or not peer.backlog:
-                self._backlogged.discard(ident)
+    async def _backlog_loop(self) -> None:
+        """Every 5 ms, try again to hand held replies to libzmq."""
+        while True:
+            await anyio.sleep(0.005)
+            for ident in list(self._backlogged):
+                peer = self._peers.get(ident)
+                while peer is not None and peer.backlog:
+                    if self._try_send(ident, peer.backlog[0]) is False:
+                        break
+                    data = peer.backlog.popleft()
+                    peer.backlog_bytes -= len(data)
+                if peer is None or not peer.backlog:
+                    self._backlogged.discard(ident)
 
     # -- receiving -----------------------------------------------------------------
     async def _receive_loop(self) -> None:
-        assert self._sock is not None
+        """Read messages while there are any, then sleep until the socket's descriptor
+        (or a send) says there may be more. A plain socket read without a future per
+        message: a flood costs the loop as little as a message can."""
+        sock = self._sock
+        assert sock is not None
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._readable.clear()
+                # libzmq signals edges: ask before sleeping whether one was missed.
+                if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    await self._readable.wait()
+                continue
             try:
                 await self._on_message(frames)
             except Exception:
                 log.exception("frame_handling_failed")
-            # recv_multipart returns at once while messages are queued: yield,
-            # so a flood cannot starve the scheduler, the sender or heartbeats.
-            await anyio.lowlevel.checkpoint()
+            # Yield after every message, so a flood cannot starve the scheduler,
+            # the backlogs or the heartbeats.
+            await asyncio.sleep(0)
 
     async def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
@@ -370,6 +426,9 @@ class Server:
             )
             return
         data = frames[1].bytes
+        # The loop thread's own CPU time: waiting for the GIL while the model thread
+        # holds it is not this request's doing.
+        started, queued = time.thread_time(), self.bytes_queued
         try:
             req = p.decode_request(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, and RecursionError on deep nesting
@@ -382,9 +441,24 @@ class Server:
             return
         peer = self._touch(ident, frames[0], caller)
         try:
+            if isinstance(req, _METERED):
+                self.budget.check(peer.bucket, caller.owner)
+            if peer.backlog and isinstance(req, _BUILDS_REPLY):
+                # Its replies pile up unread: whatever were built now would wait
+                # behind them, or be dropped.
+                raise Overloaded(
+                    "your replies are not being read: read them before asking for more",
+                    {"retry_after": _NOT_READING_RETRY, "budget": "not_reading"},
+                )
             await self._dispatch(ident, peer.caller, req)
         except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
             self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op=type(req).__name__)))
+        self.budget.charge(
+            peer.bucket,
+            caller.owner,
+            time.thread_time() - started,
+            self.bytes_queued - queued,
+        )
 
     def _caller(self, frame: zmq.Frame) -> Caller | None:
         """Who sent ``frame``; None for a CURVE key that is no longer authorized."""
@@ -405,7 +479,7 @@ class Server:
             except zmq.ZMQError:
                 fd = None
             burst = float(self.cfg.bad_frame_burst)
-            peer = self._peers[ident] = Peer(caller, now, fd, burst, now)
+            peer = self._peers[ident] = Peer(caller, now, fd, self.budget.connection(), burst, now)
         peer.seen = now
         return peer
 
@@ -454,24 +528,14 @@ class Server:
                         format=job.format,
                     ),
                 )
-            case p.Results(job_id=job_id, start=start):
+            case p.Results(job_id=job_id, start=start, offset=offset):
                 assert sched is not None
                 job = sched.jobs.find(job_id, caller)
-                results, after = job.results_page(start, RESULTS_PAGE_BYTES)
-                self.send(
-                    ident,
-                    p.ResultsPage(
-                        id=req.id,
-                        job_id=job.job_id,
-                        total=len(job.items),
-                        done=job.done,
-                        results=results,
-                        next=after,
-                    ),
-                )
-            case p.ListJobs():
+                self.send(ident, job.results_page(start, offset, request_id=req.id))
+            case p.ListJobs(start=start):
                 assert sched is not None
-                self.send(ident, p.JobList(id=req.id, jobs=sched.jobs.list_jobs(caller)))
+                jobs, after = sched.jobs.list_jobs(caller, start)
+                self.send(ident, p.JobList(id=req.id, jobs=jobs, next=after))
             case p.Detach(job_id=job_id):
                 assert sched is not None
                 sched.jobs.detach(job_id, caller)
@@ -620,6 +684,7 @@ class Server:
             # A shut connection's identity is not reused; forget it after a while.
             for ident in [i for i, t in self._banned.items() if now - t > 60.0]:
                 del self._banned[ident]
+            self.budget.prune()
             if self.scheduler is not None:
                 self.scheduler.close_abandoned()
                 self.scheduler.jobs.prune_retained()
@@ -675,7 +740,8 @@ class Server:
                 await sub.wait()
                 records = sub.drain()
                 if records:
-                    self.send(ident, p.LogEvents(records=records, dropped=sub.dropped))
+                    for data in log_messages(records, sub.dropped):
+                        self._queue(ident, data)
 
 
 def _property(frame: zmq.Frame, name: str) -> str | None:

@@ -38,6 +38,8 @@ async def status(args: argparse.Namespace) -> int:
         console.print(overview(st, client.endpoint))
         if st.sessions:
             console.print(sessions(st.sessions))
+            if st.sessions_omitted:
+                console.print(f"... and {st.sessions_omitted} more sessions")
     return OK
 
 
@@ -78,6 +80,12 @@ def overview(st: p.DaemonStatus, endpoint: str) -> Table:
             f"{st.growth.lock_wait_seconds_max:.3f} s max",
         ),
         ("growth failures", _failures(st.growth)),
+        (
+            "clients refused",
+            f"{st.requests_refused} requests over budget, {st.frames_rejected} malformed "
+            f"answered, {st.replies_dropped} replies dropped unread (a client that never "
+            f"reads holds at most {_bytes(st.client_bound_bytes)})",
+        ),
     ]
     for name, value in rows:
         table.add_row(name, Text(value))

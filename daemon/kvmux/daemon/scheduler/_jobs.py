@@ -10,14 +10,14 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import anyio
 import msgspec
 import structlog
 
-from kvmux.client.errors import NotFound
-from kvmux.client.protocol import ItemResult, JobInfo
+from kvmux.client.errors import BadRequest, NotFound
+from kvmux.client.protocol import PART_BYTES, ItemResult, JobInfo, ResultPart, ResultsPage
 
 from ..access import OPERATOR, Caller
 from ..config import JobsConfig
@@ -66,10 +66,27 @@ class ItemState:
     seen_tokens: int = 0
     seen_text: int = 0
     preemptions: int = 0
+    # Its result's encoded size, once known (the journal measures it as it writes).
+    result_bytes: int = 0
+
+    def result_size(self) -> int:
+        if not self.result_bytes and self.result is not None:
+            self.result_bytes = encoded_size(self.result)
+        return self.result_bytes
 
     @property
     def session_id(self) -> str:
         return f"{self.job.job_id}/{self.index}"
+
+
+class Page(NamedTuple):
+    """One bounded page of a job's results: whole results, or a part of one too large
+    for a page; where the next page starts (``next`` None: nothing finished beyond)."""
+
+    results: list[ItemResult]
+    part: ResultPart | None
+    next: int | None
+    next_offset: int = 0
 
 
 @dataclass(eq=False)
@@ -96,6 +113,8 @@ class JobState:
     failed: int = 0
     tokens: int = 0  # generated tokens its results hold
     journal_bytes: int = 0  # what its items and results take in the journal (about)
+    # The encoding of the one result whose parts are being fetched: (index, bytes).
+    _encoded: tuple[int, bytes] | None = None
 
     @property
     def done(self) -> bool:
@@ -104,21 +123,68 @@ class JobState:
     def results(self) -> list[ItemResult]:
         return [it.result for it in self.items if it.result is not None]
 
-    def results_page(self, start: int, max_bytes: int) -> tuple[list[ItemResult], int | None]:
-        """Finished results from item ``start`` on, up to about ``max_bytes`` encoded
-        (at least one); and the index the next page starts at, None when none is left."""
+    def results_page(
+        self, start: int, offset: int = 0, *, request_id: int = 0, max_bytes: int = PART_BYTES
+    ) -> ResultsPage:
+        """The reply to ``results``: finished results from item ``start`` on, at most
+        ``max_bytes`` encoded.
+
+        A result larger than that comes alone, in parts: ``offset`` is the byte of
+        its encoding the part starts at, and the page says where the next part (or
+        the next page) starts."""
+        page = self._page(start, offset, max_bytes)
+        return ResultsPage(
+            id=request_id,
+            job_id=self.job_id,
+            total=len(self.items),
+            done=self.done,
+            results=page.results,
+            next=page.next,
+            part=page.part,
+            next_offset=page.next_offset,
+        )
+
+    def _page(self, start: int, offset: int, max_bytes: int) -> Page:
+        if offset:
+            return self._part(start, offset, max_bytes)
         page: list[ItemResult] = []
         size = 0
         for state in itertools.islice(self.items, start, None):
-            result = state.result
-            if result is None:
+            if state.result is None:
                 continue
-            n = encoded_size(result)
-            if page and size + n > max_bytes:
-                return page, state.index
-            page.append(result)
+            n = state.result_size()
+            if n > max_bytes:
+                if page:
+                    return Page(page, None, state.index)
+                return self._part(state.index, 0, max_bytes)
+            if size + n > max_bytes:
+                return Page(page, None, state.index)
+            page.append(state.result)
             size += n
-        return page, None
+        return Page(page, None, None)
+
+    def _part(self, index: int, offset: int, max_bytes: int) -> Page:
+        state = self.items[index] if 0 <= index < len(self.items) else None
+        if state is None or state.result is None or offset >= state.result_size():
+            raise BadRequest(
+                f"no part at byte {offset} of result {index} of job {self.job_id}: ask for "
+                "the `start` and `offset` the previous page named",
+                {"job_id": self.job_id, "start": index, "offset": offset},
+            )
+        cached = self._encoded
+        if cached is None or cached[0] != index:
+            # Its parts are asked for one after another: encoded once for all of them.
+            cached = self._encoded = (index, _ENCODER.encode(state.result))
+        data = cached[1]
+        chunk = data[offset : offset + max_bytes]
+        end = offset + len(chunk)
+        part = ResultPart(index=index, offset=offset, size=len(data), data=chunk)
+        if end < len(data):
+            return Page([], part, index, end)
+        self._encoded = None
+        rest = itertools.islice(self.items, index + 1, None)
+        later = next((s.index for s in rest if s.result is not None), None)
+        return Page([], part, later)
 
 
 class JobTable:
@@ -138,27 +204,34 @@ class JobTable:
         job.journal_bytes += size
         self.journal_total += size
 
-    def list_jobs(self, caller: Caller = OPERATOR) -> list[JobInfo]:
-        """The jobs ``caller`` may see, running then retained, oldest first."""
+    def list_jobs(
+        self, caller: Caller = OPERATOR, start: int = 0, max_bytes: int = PART_BYTES
+    ) -> tuple[list[JobInfo], int | None]:
+        """The jobs ``caller`` may see, running then retained, oldest first: a page of at
+        most ``max_bytes`` encoded from the ``start``-th on, and where the next starts."""
         now = time.monotonic()
-        out = []
-        for job in sorted([*self.live.values(), *self.retained.values()], key=lambda j: j.created):
-            if caller.may_see(job.owner):
-                out.append(
-                    JobInfo(
-                        job_id=job.job_id,
-                        name=job.name,
-                        owner=job.owner,
-                        state="done" if job.done else "running",
-                        total=len(job.items),
-                        ok=job.ok,
-                        failed=job.failed,
-                        detached=job.detached,
-                        age_seconds=round(now - job.created, 3),
-                        open=job.open,
-                    )
-                )
-        return out
+        jobs = sorted([*self.live.values(), *self.retained.values()], key=lambda j: j.created)
+        visible = [job for job in jobs if caller.may_see(job.owner)]
+        out: list[JobInfo] = []
+        size = 0
+        for at, job in enumerate(visible[start:], start):
+            info = JobInfo(
+                job_id=job.job_id,
+                name=job.name,
+                owner=job.owner,
+                state="done" if job.done else "running",
+                total=len(job.items),
+                ok=job.ok,
+                failed=job.failed,
+                detached=job.detached,
+                age_seconds=round(now - job.created, 3),
+                open=job.open,
+            )
+            size += encoded_size(info)
+            if out and size > max_bytes:
+                return out, at
+            out.append(info)
+        return out, None
 
     def owner_of(self, job_id: str) -> str | None:
         """The owner of a job this daemon holds (running or retained); None if unknown."""

@@ -445,7 +445,8 @@ class TurnLoop:
         state.admission = None
         job.tokens += len(result.token_ids)
         if self.jobs.journal is not None:
-            self.jobs.charge(job, self.jobs.journal.add_result(job.job_id, result))
+            state.result_bytes = self.jobs.journal.add_result(job.job_id, result)
+            self.jobs.charge(job, state.result_bytes)
         if result.status == "ok":
             job.ok += 1
             n = len(result.token_ids)

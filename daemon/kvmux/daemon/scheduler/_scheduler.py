@@ -245,7 +245,8 @@ class Scheduler(TurnLoop):
             elif isinstance(outcome, ItemResult):
                 state.result, state.phase = outcome, "done"
                 job.tokens += len(outcome.token_ids)
-                job.journal_bytes += encoded_size(outcome)
+                state.result_bytes = encoded_size(outcome)
+                job.journal_bytes += state.result_bytes
                 if outcome.status == "ok":
                     job.ok += 1
                 else:
