@@ -39,18 +39,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +63,11 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 
-from bench.bench_daemon import kvmuxd
+from bench.bench_daemon import DaemonProcess, kvmuxd
 from bench.common import builtin, write_json
 from kvmux.client import Client, Item, KvmuxError, Overloaded
 from kvmux.client import protocol as p
-from kvmux.client.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, load_curve
+from kvmux.client.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, CurveKeys, load_curve
 
 ROOT = Path(__file__).resolve().parent.parent
 _pack = msgspec.msgpack.encode
@@ -280,6 +282,29 @@ async def flood(model: Path, seconds: float = 4.0) -> Figures:
     }
 
 
+async def _ask_never_reading(
+    daemon: DaemonProcess, requests: int, request: Callable[[int], p.Request]
+) -> int:
+    """Send ``request(i)`` for ``i`` < ``requests`` from a client that never reads its
+    replies; the daemon's peak RSS meanwhile and for a second after."""
+    peak = daemon.rss()
+    ctx = zmq.asyncio.Context()
+    sock = await _raw_dealer(ctx, daemon.endpoint, reads=False)
+    try:
+        for i in range(requests):
+            await sock.send(p.encode(request(i)))
+            if i % 100 == 0:
+                await anyio.sleep(0.01)
+                peak = max(peak, daemon.rss())
+        for _ in range(20):
+            await anyio.sleep(0.05)
+            peak = max(peak, daemon.rss())
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return peak
+
+
 async def slow_consumer(model: Path, requests: int = 4000) -> Figures:
     """A client that never reads asks again and again for a finished job's results."""
     async with kvmuxd(model, threads=1) as daemon:
@@ -296,32 +321,15 @@ async def slow_consumer(model: Path, requests: int = 4000) -> Figures:
             job = await client.submit(items, detach=True)
             await job.results()
         base = daemon.rss()
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 1)  # and never recv(): replies pile up on the daemon's side
-        sock.setsockopt(zmq.RCVBUF, 4096)
-        sock.connect(daemon.endpoint)
-        peak = base
-        try:
-            for i in range(requests):
-                req: p.Request = (
-                    p.Attach(id=i, job_id=job.job_id)
-                    if i % 2
-                    else p.Results(id=i, job_id=job.job_id)
-                )
-                await sock.send(p.encode(req))
-                if i % 200 == 0:
-                    await anyio.sleep(0.01)
-                    peak = max(peak, daemon.rss())
-            for _ in range(20):
-                await anyio.sleep(0.05)
-                peak = max(peak, daemon.rss())
-            async with Client(daemon.endpoint, timeout=10.0) as other:
-                served = (await other.status()).state == "ready"
-        finally:
-            sock.close(linger=0)
-            ctx.term()
+
+        def request(i: int) -> p.Request:
+            if i % 2:
+                return p.Attach(id=i, job_id=job.job_id)
+            return p.Results(id=i, job_id=job.job_id)
+
+        peak = await _ask_never_reading(daemon, requests, request)
+        async with Client(daemon.endpoint, timeout=10.0) as other:
+            served = (await other.status()).state == "ready"
     return {
         "requests": requests,
         "rss_base_mib": round(base / 2**20, 1),
@@ -553,6 +561,219 @@ async def wait_budget(model: Path, n: int = 32) -> Figures:
     }
 
 
+# -- bounded cost per client -----------------------------------------------------------------
+
+
+# One item whose result is over 500 KiB: 1,900 tokens with 20 alternatives each.
+def large_items(n: int) -> list[Item]:
+    return [
+        Item(
+            custom_id=f"large-{i}",
+            prompt_tokens=[5 + i, 6, 7],
+            max_new_tokens=1900,
+            logprobs=20,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
+
+
+_LARGE_TABLES: dict[str, dict[str, object]] = {"scheduler": {"max_new_tokens": 2000}}
+
+
+async def _raw_dealer(
+    ctx: zmq.asyncio.Context, endpoint: str, curve: CurveKeys | None = None, reads: bool = True
+) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if not reads:
+        sock.setsockopt(zmq.RCVHWM, 1)  # and never recv(): replies pile up on the daemon's side
+        sock.setsockopt(zmq.RCVBUF, 4096)
+    if curve is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
+    sock.connect(endpoint)
+    return sock
+
+
+async def _walk_results(sock: zmq.asyncio.Socket, job_id: str) -> tuple[int, dict[int, bytes]]:
+    """Every result of a job as the wire carries it, a page (or a part) at a time:
+    the largest message seen, and each result's encoding joined from its parts."""
+    largest = 0
+    joined: dict[int, bytes] = {}
+    at: int | None = 0
+    offset = 0
+    rid = 0
+    while at is not None:
+        rid += 1
+        await sock.send(p.encode(p.Results(id=rid, job_id=job_id, start=at, offset=offset)))
+        data = await sock.recv()
+        reply = p.decode_reply(data)
+        if isinstance(reply, p.Events | p.LogEvents):
+            continue
+        largest = max(largest, len(data))
+        assert isinstance(reply, p.ResultsPage), reply
+        for r in reply.results:
+            joined[r.index] = p.encode(r)
+        if reply.part is not None:
+            part = reply.part
+            joined[part.index] = joined.get(part.index, b"")[: part.offset] + part.data
+        at, offset = reply.next, reply.next_offset
+    return largest, joined
+
+
+async def large_results(model: Path, results: int = 4, requests: int = 2000) -> Figures:
+    """Results of over 500 KiB each: every message on the wire stays within a page, the
+    parts join back to the very bytes of the result, and a client that asks again and
+    again without reading pins no more than the documented bound."""
+    async with kvmuxd(model, threads=1, tables=_LARGE_TABLES) as daemon:
+        async with Client(daemon.endpoint, timeout=60.0) as client:
+            job = await client.submit(large_items(results), detach=True)
+            got = {r.index: p.encode(r) for r in await job.results()}
+        ctx = zmq.asyncio.Context()
+        try:
+            reader = await _raw_dealer(ctx, daemon.endpoint)
+            largest, joined = await _walk_results(reader, job.job_id)
+            reader.close(linger=0)
+        finally:
+            ctx.term()
+        base = daemon.rss()
+        peak = await _ask_never_reading(
+            daemon, requests, lambda i: p.Results(id=i, job_id=job.job_id)
+        )
+        async with Client(daemon.endpoint, timeout=10.0) as other:
+            status = await other.status()
+    return {
+        "results": results,
+        "result_kib": round(min(len(b) for b in got.values()) / 1024, 1),
+        "largest_message_kib": round(largest / 1024, 1),
+        "parts_byte_identical": joined == got,
+        "requests_never_read": requests,
+        "rss_growth_mib": round((peak - base) / 2**20, 1),
+        "bound_mib": round(status.client_bound_bytes / 2**20, 1),
+        "replies_dropped": status.replies_dropped,
+        "requests_refused": status.requests_refused,
+        "others_served": status.state == "ready",
+    }
+
+
+# The decoding that a flood must not slow down, and whose tokens must not change.
+def steady_items(n: int = 16, tokens: int = 1900) -> list[Item]:
+    return [
+        Item(
+            custom_id=f"steady-{i}",
+            prompt_tokens=[9 + i] * (4 + i),
+            max_new_tokens=tokens,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
+
+
+async def _flood(
+    endpoint: str, curve: CurveKeys, job_id: str, rate: float, connections: int, emit: Emit
+) -> None:
+    """``results`` requests for ``job_id`` at ``rate`` per second over ``connections``
+    connections, each reading what comes back, until killed; emits how many it has
+    sent so far every 0.1 s (in a process of its own: a flooder in the measuring
+    process would slow the measurement, not the daemon)."""
+    ctx = zmq.asyncio.Context()
+    socks = [await _raw_dealer(ctx, endpoint, curve) for _ in range(connections)]
+    sent = 0
+    started = last = time.monotonic()
+    emit("0")
+    while True:
+        now = time.monotonic()
+        due = int((now - started) * rate)
+        while sent < due:
+            try:
+                await socks[sent % connections].send(
+                    p.encode(p.Results(id=sent, job_id=job_id)), flags=zmq.NOBLOCK
+                )
+            except zmq.Again:
+                break  # its pipe is full: the daemon is not taking more now
+            sent += 1
+        for sock in socks:
+            await _drain(sock)
+        if now - last > 0.1:
+            emit(str(sent))
+            last = now
+        await anyio.sleep(0.005)
+
+
+async def results_flood(
+    model: Path, rate: float = 2000.0, connections: int = 1, repeats: int = 3, tokens: int = 1900
+) -> Figures:
+    """A client floods valid ``results`` requests for its own job of large results
+    (``rate`` a second, over ``connections`` connections of one owner) while another
+    owner decodes: that one's tokens/s against a quiet daemon, measured alternately in
+    one run, its tokens, and its status round trips."""
+    items = steady_items(tokens=tokens)
+    want = reference_tokens(model, items)
+    async with curve_kvmuxd(model, ["flooder", "steady"], _LARGE_TABLES) as (daemon, keys):
+        async with Client(daemon.endpoint, timeout=60.0, curve=keys.curve("flooder")) as fl:
+            big = await fl.submit(large_items(2), detach=True)
+            await big.results()
+
+        async def steady_run() -> tuple[float, dict[str, list[int]]]:
+            async with Client(daemon.endpoint, timeout=60.0, curve=keys.curve("steady")) as c:
+                t0 = time.perf_counter()
+                results = await (await c.submit(items)).results()
+                wall = time.perf_counter() - t0
+            out = {r.custom_id: r.token_ids for r in results if r.status == "ok"}
+            return sum(map(len, out.values())) / wall, out
+
+        quiet: list[float] = []
+        loud: list[float] = []
+        trips: list[float] = []
+        sent = 0
+        identical = True
+        for _ in range(repeats):
+            tps, got = await steady_run()
+            quiet.append(tps)
+            identical = identical and got == want
+            args = (daemon.endpoint, keys.curve("flooder"), big.job_id, rate, connections)
+            flooder = await anyio.to_thread.run_sync(functools.partial(_Forked, _flood, args))
+            await flooder.readline()  # it is on
+            stop = anyio.Event()
+            async with anyio.create_task_group() as tg:
+
+                async def status_task(stop: anyio.Event = stop) -> None:
+                    async with Client(
+                        daemon.endpoint, timeout=10.0, curve=keys.curve("steady")
+                    ) as c:
+                        while not stop.is_set():
+                            t0 = time.perf_counter()
+                            await c.status()
+                            trips.append(time.perf_counter() - t0)
+                            await anyio.sleep(0.1)
+
+                tg.start_soon(status_task)
+                await anyio.sleep(0.3)  # the flood is on before the job starts
+                tps, got = await steady_run()
+                stop.set()
+            os.kill(flooder.pid, signal.SIGKILL)
+            counts = [line.strip() for line in await anyio.to_thread.run_sync(flooder.lines)]
+            await flooder.wait()
+            loud.append(tps)
+            sent += int(counts[-1]) if counts else 0
+            identical = identical and got == want
+        async with Client(daemon.endpoint, timeout=10.0, curve=keys.curve("steady")) as c:
+            status = await c.status()
+        alive = daemon.alive()
+    return {
+        "connections": connections,
+        "requests_per_second": rate,
+        "requests_sent": sent,
+        "requests_refused": status.requests_refused,
+        "quiet_tokens_per_s": [round(x) for x in quiet],
+        "flood_tokens_per_s": [round(x) for x in loud],
+        "flood_over_quiet": round(statistics.median(loud) / statistics.median(quiet), 3),
+        "tokens_identical": identical,
+        "status_max_ms": round(1000 * max(trips), 1),
+        "daemon_alive": alive,
+    }
+
+
 # -- two owners ----------------------------------------------------------------------------
 
 Emit = Callable[[str], None]
@@ -647,6 +868,10 @@ class _Forked:
     async def readline(self) -> str:
         return await anyio.to_thread.run_sync(self._lines.readline)
 
+    def lines(self) -> list[str]:
+        """Every line still to come (blocks until the child closes its end)."""
+        return self._lines.readlines()
+
     async def wait(self) -> int:
         _, status = await anyio.to_thread.run_sync(os.waitpid, self.pid, 0)
         self._lines.close()
@@ -715,51 +940,79 @@ def _curve_env(server_public: Path, client_secret: Path) -> Any:
                 os.environ[k] = v
 
 
-async def two_keys(model: Path) -> Figures:
-    """Two CURVE keys on loopback tcp; then one key removed and SIGHUP."""
-    keys = Path(tempfile.mkdtemp(prefix="kvx-keys-"))
-    try:
-        allowed = keys / "allowed"
-        allowed.mkdir()
-        server_public, server_secret = zmq.auth.create_certificates(keys, "server")
-        certs = {}
-        for name in ("operator", "alice", "bob"):
-            public, secret = zmq.auth.create_certificates(keys, name)
-            shutil.copy(public, allowed)
-            certs[name] = Path(secret)
-        operator_key = zmq.auth.load_certificate(certs["operator"])[0].decode()
-        endpoint = f"tcp://127.0.0.1:{_free_port()}"
-        tables = {
-            "server": {
-                "curve_secret_key": str(server_secret),
-                "curve_authorized_keys": str(allowed),
-                "operator_keys": [operator_key],
-            }
+class CurveKeysFolder:
+    """A folder of CURVE certificates: the server's, and one per client name, all
+    authorized; ``curve(name)`` is that client's keys for :class:`Client`."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="kvx-keys-"))
+        self.allowed = self.folder / "allowed"
+        self.allowed.mkdir()
+        public, secret = zmq.auth.create_certificates(self.folder, "server")
+        self.server_public, self.server_secret = Path(public), Path(secret)
+        self.secrets: dict[str, Path] = {}
+        for name in names:
+            pub, sec = zmq.auth.create_certificates(self.folder, name)
+            shutil.copy(pub, self.allowed)
+            self.secrets[name] = Path(sec)
+
+    def public(self, name: str) -> str:
+        return zmq.auth.load_certificate(self.secrets[name])[0].decode()
+
+    def curve(self, name: str) -> CurveKeys:
+        return load_curve(self.server_public, self.secrets[name])
+
+    def env(self, name: str) -> dict[str, str]:
+        return {SERVER_KEY_ENV: str(self.server_public), CLIENT_KEY_ENV: str(self.secrets[name])}
+
+    def tables(self, operators: list[str] = []) -> dict[str, object]:  # noqa: B006 - read only
+        return {
+            "curve_secret_key": str(self.server_secret),
+            "curve_authorized_keys": str(self.allowed),
+            "operator_keys": [self.public(n) for n in operators],
         }
 
-        def keys_of(name: str) -> dict[str, Any]:
-            return {"env": {SERVER_KEY_ENV: str(server_public), CLIENT_KEY_ENV: str(certs[name])}}
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
-        with _curve_env(Path(server_public), certs["operator"]):
-            async with kvmuxd(model, threads=1, tables=tables, endpoint=endpoint) as daemon:
-                figures = await _owner_and_intruder(endpoint, keys_of("alice"), keys_of("bob"))
-                async with Client(endpoint, curve=load_curve(server_public, certs["bob"])) as bob:
-                    await bob.status()
-                    (allowed / "bob.key").unlink()
-                    daemon.proc.send_signal(signal.SIGHUP)
-                    with anyio.fail_after(10):
-                        while (
-                            not any(daemon.events("curve_keys_loaded"))
-                            or len(list(daemon.events("curve_keys_loaded"))) < 2
-                        ):
-                            await anyio.sleep(0.05)
-                    try:
-                        await bob.status()
-                        figures["revoked_key_refused"] = False
-                    except KvmuxError as exc:
-                        figures["revoked_key_refused"] = exc.code == "unauthorized"
+
+@contextlib.asynccontextmanager
+async def curve_kvmuxd(
+    model: Path, names: list[str], tables: dict[str, dict[str, object]] | None = None
+) -> AsyncIterator[tuple[DaemonProcess, CurveKeysFolder]]:
+    """A kvmuxd on loopback tcp with CURVE, one authorized key per name (the first an
+    operator, whose keys the startup probe uses): distinct owners without root."""
+    keys = CurveKeysFolder(names)
+    try:
+        all_tables = {**(tables or {})}
+        all_tables["server"] = {**all_tables.get("server", {}), **keys.tables([names[0]])}
+        endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        with _curve_env(keys.server_public, keys.secrets[names[0]]):
+            async with kvmuxd(model, threads=1, tables=all_tables, endpoint=endpoint) as daemon:
+                yield daemon, keys
     finally:
-        shutil.rmtree(keys, ignore_errors=True)
+        keys.remove()
+
+
+async def two_keys(model: Path) -> Figures:
+    """Two CURVE keys on loopback tcp; then one key removed and SIGHUP."""
+    async with curve_kvmuxd(model, ["operator", "alice", "bob"]) as (daemon, keys):
+        endpoint = daemon.endpoint
+        figures = await _owner_and_intruder(
+            endpoint, {"env": keys.env("alice")}, {"env": keys.env("bob")}
+        )
+        async with Client(endpoint, curve=keys.curve("bob")) as bob:
+            await bob.status()
+            (keys.allowed / "bob.key").unlink()
+            daemon.proc.send_signal(signal.SIGHUP)
+            with anyio.fail_after(10):
+                while len(list(daemon.events("curve_keys_loaded"))) < 2:
+                    await anyio.sleep(0.05)
+            try:
+                await bob.status()
+                figures["revoked_key_refused"] = False
+            except KvmuxError as exc:
+                figures["revoked_key_refused"] = exc.code == "unauthorized"
     figures["owners"] = ["key:alice", "key:bob"]
     return figures
 
@@ -775,6 +1028,9 @@ SCENARIOS: dict[str, Callable[..., Coroutine[Any, Any, Figures]]] = {
     "wait": wait_budget,
     "two_users": two_users,
     "two_keys": two_keys,
+    "large_results": large_results,
+    "results_flood": results_flood,
+    "results_flood_8": lambda model, **kw: results_flood(model, connections=8, **kw),
 }
 
 QUICK: dict[str, dict[str, Any]] = {
@@ -788,6 +1044,9 @@ QUICK: dict[str, dict[str, Any]] = {
     "wait": {"n": 16},
     "two_users": {},
     "two_keys": {},
+    "large_results": {"results": 2, "requests": 1000},
+    "results_flood": {"repeats": 1, "tokens": 900},
+    "results_flood_8": {"repeats": 1, "tokens": 900},
 }
 
 

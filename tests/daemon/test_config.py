@@ -48,6 +48,7 @@ def test_production_config_values() -> None:
     # everything else is at its default
     assert cfg.scheduler == Config().scheduler
     assert cfg.kv == Config().kv
+    assert cfg.budget == Config().budget
 
 
 def test_local_config_values() -> None:

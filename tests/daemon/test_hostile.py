@@ -100,3 +100,36 @@ def test_two_curve_keys_are_two_owners_and_a_removed_key_stops_on_sighup(
     assert f["intruder_succeeded"] == 0, f
     assert f["owner_items_ok"] == 3
     assert f["revoked_key_refused"]
+
+
+def test_a_result_over_a_page_travels_in_parts_and_a_non_reader_pins_the_bound(
+    tiny_model: Path,
+) -> None:
+    f = _run("large_results", tiny_model)
+    assert f["result_kib"] > 500  # each result is over two pages
+    assert f["largest_message_kib"] <= 256, f
+    assert f["parts_byte_identical"]
+    assert f["rss_growth_mib"] <= f["bound_mib"] < 24, f
+    assert f["others_served"]
+
+
+def test_a_results_flood_is_refused_past_its_budget_and_slows_no_one_much(
+    tiny_model: Path,
+) -> None:
+    f = _run("results_flood", tiny_model)
+    assert f["daemon_alive"] and f["tokens_identical"]
+    assert f["requests_refused"] > 0, f
+    assert f["status_max_ms"] < 1000, f
+    # bench.hostile measures >= 0.8 at full size (bench/README.md); unbounded it was
+    # ~0.07 here. A test on a shared machine asserts only that it is no longer that.
+    assert f["flood_over_quiet"] >= 0.4, f
+
+
+def test_a_flood_over_eight_connections_of_one_owner_is_bounded_like_one(
+    tiny_model: Path,
+) -> None:
+    f = _run("results_flood_8", tiny_model)
+    assert f["daemon_alive"] and f["tokens_identical"]
+    assert f["requests_refused"] > 0, f
+    assert f["status_max_ms"] < 1000, f
+    assert f["flood_over_quiet"] >= 0.4, f
