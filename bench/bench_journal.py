@@ -137,9 +137,7 @@ async def replay(n: int) -> dict[str, Any]:
         jobs = journal.load()
         t_load = time.perf_counter() - t0
         jobs_cfg = cfg.jobs.__class__(max_retained_tokens=10**9)
-        sched = Scheduler(
-            engine, worker, GrowthCoordinator(), cfg.scheduler, jobs_cfg, lambda c, e: None
-        )
+        sched = Scheduler(engine, worker, GrowthCoordinator(), cfg.scheduler, jobs_cfg)
         await sched.restore(jobs)
         t_all = time.perf_counter() - t0
         journal.close()

@@ -88,6 +88,13 @@ async def test_an_open_job_takes_items_until_the_last_and_finishes_only_then(
         assert r.token_ids == decode_alone(reference, item)
 
 
+class _Nowhere:
+    """An event sink that drops what it gets (a client that never reads)."""
+
+    def deliver(self, events: list[p.Event]) -> None:
+        del events
+
+
 async def test_job_requests_are_owner_checked_and_bounded(tiny_model: Path, sock_dir: Path) -> None:
     cfg = make_config(tiny_model, sock_dir, scheduler={"max_job_items": 4, "max_job_total": 6})
     async with running(cfg) as daemon, connected(daemon) as client:
@@ -95,13 +102,9 @@ async def test_job_requests_are_owner_checked_and_bounded(tiny_model: Path, sock
             await client.submit([])
         job = await client.submit([], more=True)
         assert job.total == 0
-        sched = daemon.scheduler
-        assert sched is not None
         stranger = Caller("uid:4242424")
         with pytest.raises(NotFound):
-            await sched.add_items(
-                b"x", p.AddItems(id=1, job_id=job.job_id, items=[_item(0)]), caller=stranger
-            )
+            await daemon.service.add_items(_Nowhere(), job.job_id, [_item(0)], caller=stranger)
         with pytest.raises(BadRequest, match="max_job_items"):
             await job.add([_item(i) for i in range(3)], [p.Rejected("r", "no")] * 2)
         assert await job.add([_item(i) for i in range(4)]) == 4

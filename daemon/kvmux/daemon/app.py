@@ -39,6 +39,7 @@ from .model import resolve_model
 from .notify import Notifier
 from .scheduler import Scheduler
 from .server import Server, client_bound_bytes
+from .service import Service
 from .worker import EngineWorker
 
 log = structlog.get_logger("kvmux.daemon")
@@ -127,6 +128,7 @@ class Daemon:
         self.instance = secrets.token_hex(8)
         # Shared by every front: an owner's requests cost the same budget on each.
         self.budget = RequestBudget(config.budget)
+        self.service = Service(budget=self.budget, hello=self.hello, status=self.status)
 
     # -- lifecycle ---------------------------------------------------------------
     def _load_engine(self) -> Engine:
@@ -156,13 +158,7 @@ class Daemon:
         self, *, task_status: anyio.abc.TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         try:
-            server = Server(
-                self.endpoint,
-                self.config.server,
-                hello=self.hello,
-                status=self.status,
-                budget=self.budget,
-            )
+            server = Server(self.endpoint, self.config.server, self.service)
             self.server = server
             # Bound before the model loads: a second daemon on this socket fails
             # at once, and clients see "loading" rather than "unreachable" while
@@ -182,7 +178,6 @@ class Daemon:
                     self.coordinator,
                     self.config.scheduler,
                     self.config.jobs,
-                    server.deliver,
                 )
                 scheduler.metrics = self.metrics
                 if self.journal is not None:
@@ -198,7 +193,9 @@ class Daemon:
                         seconds=round(time.perf_counter() - started, 3),
                     )
                 await tg.start(scheduler.run)
-                self.scheduler = server.scheduler = scheduler
+                self.scheduler = scheduler
+                self.service.ready(scheduler)
+                tg.start_soon(self._housekeeping)
                 if self.config.metrics.listen:
                     host, port = self.metrics.serve(self.config.metrics.listen)
                     log.info("metrics_listening", url=f"http://{host}:{port}/metrics")
@@ -234,6 +231,11 @@ class Daemon:
             if watchdog:
                 self.notifier.watchdog()
             self.notifier.status(self.status_line())
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            self.service.housekeeping()
 
     def status_line(self) -> str:
         """One line for ``systemctl status``: state, sessions, KV in use."""

@@ -40,10 +40,9 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import anyio
 import anyio.abc
@@ -60,19 +59,18 @@ from kvmux.client.errors import (
     BadRequest,
     Internal,
     KvmuxError,
-    NotReady,
     Overloaded,
     Unauthorized,
     VersionMismatch,
 )
 
 from .access import ANONYMOUS, Caller, curve_caller, ipc_caller
-from .budget import Bucket, RequestBudget
+from .budget import Bucket
 from .config import ConfigError, ServerConfig
 from .errors import error_info
 from .framing import event_messages, log_messages
 from .logs import LogSubscription, hub
-from .scheduler import Scheduler
+from .service import Service
 
 log = structlog.get_logger("kvmux.server")
 
@@ -137,8 +135,11 @@ def prepare_ipc(path: Path) -> None:
 
 @dataclass(eq=False)
 class Peer:
-    """What the server knows of one connection (a ROUTER identity)."""
+    """What the server knows of one connection (a ROUTER identity); the sink its
+    jobs' events go to."""
 
+    server: Server
+    ident: bytes
     caller: Caller
     seen: float
     fd: int | None
@@ -153,6 +154,12 @@ class Peer:
     backlog_bytes: int = 0
     lost: int = 0
 
+    def deliver(self, events: list[p.Event]) -> None:
+        """A scheduler turn's events for this client: one message (more only when they
+        would not fit one)."""
+        for data in event_messages(events):
+            self.server._queue(self.ident, data)
+
 
 class Server:
     """Owns the ROUTER socket, client liveness and log subscriptions."""
@@ -161,18 +168,13 @@ class Server:
         self,
         endpoint: str,
         cfg: ServerConfig,
-        *,
-        hello: Callable[[], p.Welcome],
-        status: Callable[[Caller], p.DaemonStatus],
-        budget: RequestBudget,
+        service: Service,
     ) -> None:
         self.endpoint = endpoint
         self.cfg = cfg
-        self.budget = budget
-        self.scheduler: Scheduler | None = None
-        self._hello = hello
-        self._instance = hello().instance  # heartbeat acks name it
-        self._status = status
+        self.service = service
+        self.budget = service.budget
+        self._instance = service.hello().instance  # heartbeat acks name it
         # An asyncio context for the CURVE authenticator's ZAP socket; the ROUTER
         # itself is a plain socket driven from the loop (see _receive_loop).
         self._ctx = zmq.asyncio.Context()
@@ -334,12 +336,6 @@ class Server:
         if self._try_send(ident, data) is False and peer is not None:
             self._hold(ident, peer, data)
 
-    def deliver(self, owner: bytes, events: list[p.Event]) -> None:
-        """The scheduler's outlet: one message per client per step (more only when
-        they would not fit one message)."""
-        for data in event_messages(events):
-            self._queue(owner, data)
-
     def _try_send(self, ident: bytes, data: bytes) -> bool | None:
         """True: sent; False: the client's pipe is full; None: the client is gone."""
         if self._sock is None:  # after a forced stop nothing can be delivered any more
@@ -450,7 +446,7 @@ class Server:
                     "your replies are not being read: read them before asking for more",
                     {"retry_after": _NOT_READING_RETRY, "budget": "not_reading"},
                 )
-            await self._dispatch(ident, peer.caller, req)
+            await self._dispatch(peer, req)
         except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
             self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op=type(req).__name__)))
         self.budget.charge(
@@ -479,20 +475,15 @@ class Server:
             except zmq.ZMQError:
                 fd = None
             burst = float(self.cfg.bad_frame_burst)
-            peer = self._peers[ident] = Peer(caller, now, fd, self.budget.connection(), burst, now)
+            peer = self._peers[ident] = Peer(
+                self, ident, caller, now, fd, self.budget.connection(), burst, now
+            )
         peer.seen = now
         return peer
 
-    async def _dispatch(self, ident: bytes, caller: Caller, req: p.Request) -> None:
-        sched = self.scheduler
-        waits_for_model = (
-            p.Submit | p.AddItems | p.Cancel | p.Attach | p.Detach | p.Results | p.ListJobs
-        )
-        if sched is None and isinstance(req, waits_for_model):
-            raise NotReady(
-                "kvmuxd is still loading its model; retry shortly (`kvmux status --wait` "
-                "waits until it is ready)"
-            )
+    async def _dispatch(self, peer: Peer, req: p.Request) -> None:
+        """Translate one request into a call of the service, and its answer into a reply."""
+        ident, caller, service = peer.ident, peer.caller, self.service
         match req:
             case p.Hello(version=version):
                 if version != p.PROTOCOL_VERSION:
@@ -501,21 +492,17 @@ class Server:
                         "install matching kvmux versions",
                         {"client": version, "daemon": p.PROTOCOL_VERSION},
                     )
-                self.send(ident, msgspec.structs.replace(self._hello(), id=req.id))
-            case p.Submit():
+                self.send(ident, msgspec.structs.replace(service.hello(), id=req.id))
+            case p.Submit() | p.AddItems():
+                service.scheduler  # noqa: B018 - not_ready now, not from the task
                 # Validation tokenizes off the event loop: do not hold up others.
                 assert self._tg is not None
-                self._tg.start_soon(self._submit, ident, caller, req)
-            case p.AddItems():
-                assert self._tg is not None
-                self._tg.start_soon(self._add_items, ident, caller, req)
+                self._tg.start_soon(self._submit, peer, req)
             case p.Cancel(job_id=job_id):
-                assert sched is not None
-                sched.cancel(job_id, caller=caller)
+                service.cancel(job_id, caller=caller)
                 self.send(ident, p.Ack(id=req.id))
             case p.Attach(job_id=job_id):
-                assert sched is not None
-                job = sched.jobs.attach(ident, job_id, caller)
+                job = service.attach(peer, job_id, caller=caller)
                 self.send(
                     ident,
                     p.Attached(
@@ -529,19 +516,16 @@ class Server:
                     ),
                 )
             case p.Results(job_id=job_id, start=start, offset=offset):
-                assert sched is not None
-                job = sched.jobs.find(job_id, caller)
-                self.send(ident, job.results_page(start, offset, request_id=req.id))
+                page = service.results_page(job_id, start, offset, caller=caller, request_id=req.id)
+                self.send(ident, page)
             case p.ListJobs(start=start):
-                assert sched is not None
-                jobs, after = sched.jobs.list_jobs(caller, start)
+                jobs, after = service.list_jobs(caller=caller, start=start)
                 self.send(ident, p.JobList(id=req.id, jobs=jobs, next=after))
             case p.Detach(job_id=job_id):
-                assert sched is not None
-                sched.jobs.detach(job_id, caller)
+                service.detach(job_id, caller=caller)
                 self.send(ident, p.Ack(id=req.id))
             case p.Status():
-                self.send(ident, p.StatusReply(id=req.id, status=self._status(caller)))
+                self.send(ident, p.StatusReply(id=req.id, status=service.status(caller)))
             case p.SubscribeLogs(level=level, job_id=job_id):
                 self._subscribe_logs(ident, caller, level, job_id)
                 self.send(ident, p.Ack(id=req.id))
@@ -554,31 +538,43 @@ class Server:
                 self.send(ident, p.Ack(id=req.id))
                 self._forget(ident, "its client closed the connection", "client_closed")
 
-    async def _submit(self, ident: bytes, caller: Caller, req: p.Submit) -> None:
+    async def _submit(self, peer: Peer, req: p.Submit | p.AddItems) -> None:
+        """A submit or an addition, checked off the receive loop; its answer, or its error."""
+        ident, caller = peer.ident, peer.caller
+        reply: p.Reply
         try:
-            assert self.scheduler is not None  # _dispatch answered not_ready without one
-            # The job starts only if its client is still there once its items
-            # are checked: nobody could ever learn the id of one that is not.
-            job = await self.scheduler.submit(
-                ident, req, caller=caller, still_wanted=lambda: self.alive(ident)
-            )
+            if isinstance(req, p.Submit):
+                # The job starts only if its client is still there once its items
+                # are checked: nobody could ever learn the id of one that is not.
+                job = await self.service.submit(
+                    peer,
+                    req.items,
+                    caller=caller,
+                    rejected=req.rejected,
+                    detach=req.detach,
+                    name=req.name,
+                    format=req.format,
+                    more=req.more,
+                    still_wanted=lambda: self.alive(ident),
+                )
+                if job is None:
+                    return
+                reply = p.Accepted(id=req.id, job_id=job.job_id, total=len(job.items))
+            else:
+                job = await self.service.add_items(
+                    peer,
+                    req.job_id,
+                    req.items,
+                    caller=caller,
+                    rejected=req.rejected,
+                    last=req.last,
+                )
+                reply = p.Added(id=req.id, job_id=job.job_id, total=len(job.items))
         except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
-            self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op="Submit")))
+            self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op=type(req).__name__)))
             return
-        if job is None:
-            return
-        # No await between admission and this reply: it leaves before any event.
-        self.send(ident, p.Accepted(id=req.id, job_id=job.job_id, total=len(job.items)))
-
-    async def _add_items(self, ident: bytes, caller: Caller, req: p.AddItems) -> None:
-        try:
-            assert self.scheduler is not None
-            job = await self.scheduler.add_items(ident, req, caller=caller)
-        except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
-            self.send(ident, p.ErrorReply(id=req.id, error=error_info(exc, op="AddItems")))
-            return
-        # Like Accepted: no await since the items were added, so it precedes their events.
-        self.send(ident, p.Added(id=req.id, job_id=job.job_id, total=len(job.items)))
+        # No await since the job took the items: this reply leaves before their events.
+        self.send(ident, reply)
 
     # -- hostile input ---------------------------------------------------------------
     def _bad_frame(
@@ -684,40 +680,18 @@ class Server:
             # A shut connection's identity is not reused; forget it after a while.
             for ident in [i for i, t in self._banned.items() if now - t > 60.0]:
                 del self._banned[ident]
-            self.budget.prune()
-            if self.scheduler is not None:
-                self.scheduler.close_abandoned()
-                self.scheduler.jobs.prune_retained()
 
     def _forget(self, ident: bytes, why: str, reason: str) -> None:
-        self._peers.pop(ident, None)
+        peer = self._peers.pop(ident, None)
         self._backlogged.discard(ident)
         self._unsubscribe_logs(ident)
-        if self.scheduler is None:  # still loading: no jobs yet
+        if peer is None:
             return
-        cancelled = self.scheduler.client_gone(ident, why, reason)
+        cancelled = self.service.sink_gone(peer, why, reason)
         log.info(reason, client=ident.hex(), why=why, cancelled_jobs=cancelled)
 
     def _subscribe_logs(self, ident: bytes, caller: Caller, level: str, job_id: str | None) -> None:
-        visible: Callable[[dict[str, Any]], bool] | None = None
-        sched = self.scheduler
-        if job_id is not None:
-            if sched is None:
-                raise NotReady("kvmuxd is still loading its model; it has no jobs yet")
-            # not_found for an unknown job (or another owner's): following it would
-            # wait forever for events that never come.
-            sched.jobs.find(job_id, caller)
-        if not caller.operator:
-            # Only events of the caller's own jobs: the rest of the log names
-            # other people's jobs, clients and prompts' sizes.
-            owner = caller.owner
-
-            def visible(event: dict[str, Any]) -> bool:
-                job = event.get("job_id")
-                return (
-                    sched is not None and isinstance(job, str) and sched.jobs.owner_of(job) == owner
-                )
-
+        visible = self.service.log_filter(caller, job_id)
         self._unsubscribe_logs(ident)
         sub = hub.subscribe(min_level=level, job_id=job_id, visible=visible)
         scope = anyio.CancelScope()

@@ -16,7 +16,7 @@ its verdicts.
 """
 
 from ._admission import item_params, item_prompt
-from ._jobs import ItemState, JobState, Phase
+from ._jobs import ItemState, JobState, Phase, Sink
 from ._scheduler import Scheduler
 
-__all__ = ["ItemState", "JobState", "Phase", "Scheduler", "item_params", "item_prompt"]
+__all__ = ["ItemState", "JobState", "Phase", "Scheduler", "Sink", "item_params", "item_prompt"]

@@ -6,6 +6,8 @@ event loop nor the model."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 import anyio.to_thread
 import msgspec
@@ -199,7 +201,7 @@ def check_open(job: JobState) -> None:
         )
 
 
-def rejected_results(start: int, rejected: list[Rejected]) -> dict[int, ItemResult]:
+def rejected_results(start: int, rejected: Sequence[Rejected]) -> dict[int, ItemResult]:
     """Lines the client could not parse, as the job's error results from ``start`` on."""
     out = {}
     for index, r in enumerate(rejected, start):
@@ -215,7 +217,7 @@ def rejected_results(start: int, rejected: list[Rejected]) -> dict[int, ItemResu
 
 
 def journaled(
-    items: list[Item], checks: list[Admission | Exception], rejected: list[Rejected]
+    items: list[Item], checks: list[Admission | Exception], rejected: Sequence[Rejected]
 ) -> list[Item]:
     """The rows a submit or an addition writes to the journal."""
     wire = [with_seed(item, check) for item, check in zip(items, checks, strict=True)]

@@ -10,14 +10,21 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import anyio
 import msgspec
 import structlog
 
 from kvmux.client.errors import BadRequest, NotFound
-from kvmux.client.protocol import PART_BYTES, ItemResult, JobInfo, ResultPart, ResultsPage
+from kvmux.client.protocol import (
+    PART_BYTES,
+    Event,
+    ItemResult,
+    JobInfo,
+    ResultPart,
+    ResultsPage,
+)
 
 from ..access import OPERATOR, Caller
 from ..config import JobsConfig
@@ -25,6 +32,13 @@ from ..engine import Admission, DecodeSession
 from ..journal import Journal
 
 log = structlog.get_logger("kvmux.scheduler")
+
+
+class Sink(Protocol):
+    """Where a job's events go: a connection, a stream (see :mod:`kvmux.daemon.service`)."""
+
+    def deliver(self, events: list[Event]) -> None: ...
+
 
 Phase = Literal["queued", "opening", "active", "growing", "parked", "failing", "done"]
 
@@ -96,13 +110,16 @@ class JobState:
     job_id: str
     # The clients its events go to: the submitter, then whoever attached. A job
     # not detached is cancelled when the last of them is gone.
-    clients: list[bytes]
+    clients: list[Sink]
     detached: bool
     name: str
     owner: str  # who may see and act on it (see kvmux.daemon.access)
     items: list[ItemState] = field(default_factory=list)
     # Takes more items (AddItems) until closed; it finishes only once closed.
     open: bool = False
+    # One HTTP request's: neither journaled nor retained once done (nobody could
+    # come back for it after the connection is gone).
+    transient: bool = False
     format: Literal["kvmux", "openai"] = "kvmux"
     created: float = field(default_factory=time.monotonic)
     touched: float = field(default_factory=time.monotonic)  # its last submit or addition
@@ -254,7 +271,7 @@ class JobTable:
             )
         return job
 
-    def attach(self, client: bytes, job_id: str, caller: Caller = OPERATOR) -> JobState:
+    def attach(self, client: Sink, job_id: str, caller: Caller = OPERATOR) -> JobState:
         """Add ``client`` to the job's audience (the others keep theirs)."""
         job = self.find(job_id, caller)
         if client not in job.clients:
@@ -264,13 +281,13 @@ class JobTable:
     def detach(self, job_id: str, caller: Caller = OPERATOR) -> None:
         job = self.find(job_id, caller)
         job.detached = True
-        if self.journal is not None:
+        if self.journal is not None and not job.transient:
             self.journal.set_detached(job_id)
 
     def close(self, job: JobState) -> None:
         if job.open:
             job.open = False
-            if self.journal is not None:
+            if self.journal is not None and not job.transient:
                 self.journal.set_closed(job.job_id)
 
     def close_abandoned(self) -> list[JobState]:
@@ -293,7 +310,10 @@ class JobTable:
         return closed
 
     def retire(self, job: JobState) -> None:
-        """Keep a job that just finished for its results."""
+        """Keep a job that just finished for its results (a transient one is dropped)."""
+        if job.transient:
+            self.live.pop(job.job_id, None)
+            return
         if self.journal is not None:
             self.journal.set_finished(job.job_id, time.time())
         self.keep_finished(job, time.monotonic())

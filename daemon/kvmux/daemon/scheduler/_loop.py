@@ -27,7 +27,7 @@ from ..journal import Journal
 from ..metrics import Metrics
 from ..worker import EngineWorker
 from ._jobs import ItemState, JobState, JobTable
-from ._outbox import Deliver, Outbox, completed_result, error_result
+from ._outbox import Outbox, completed_result, error_result
 from ._queue import FairQueue
 
 log = structlog.get_logger("kvmux.scheduler")
@@ -85,7 +85,6 @@ class TurnLoop:
         coordinator: GrowthCoordinator,
         cfg: SchedulerConfig,
         jobs_cfg: JobsConfig,
-        deliver: Deliver,
     ) -> None:
         self.engine = engine
         self.worker = worker
@@ -94,7 +93,7 @@ class TurnLoop:
         self.cfg = cfg
         self.jobs = JobTable(jobs_cfg)
         self.queue = FairQueue()
-        self.outbox = Outbox(deliver)
+        self.outbox = Outbox()
         self._active: list[ItemState] = []
         self._wake = anyio.Event()
         # Set whenever the loop is wanted (what poke() is for): a decode run on the
@@ -444,7 +443,7 @@ class TurnLoop:
         state.phase = "done"
         state.admission = None
         job.tokens += len(result.token_ids)
-        if self.jobs.journal is not None:
+        if self.jobs.journal is not None and not job.transient:
             state.result_bytes = self.jobs.journal.add_result(job.job_id, result)
             self.jobs.charge(job, state.result_bytes)
         if result.status == "ok":

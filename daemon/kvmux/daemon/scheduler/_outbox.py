@@ -5,7 +5,6 @@ item had already produced)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -21,17 +20,14 @@ from kvmux.client.protocol import (
 
 from ..engine import Completion, TokenLogprobs
 from ..errors import error_info
-from ._jobs import ItemState, JobState
-
-Deliver = Callable[[bytes, list[Event]], None]
+from ._jobs import ItemState, JobState, Sink
 
 
 class Outbox:
     """Events of this turn, per client, until :meth:`flush` hands them on."""
 
-    def __init__(self, deliver: Deliver) -> None:
-        self._deliver = deliver
-        self._events: dict[bytes, list[Event]] = {}
+    def __init__(self) -> None:
+        self._events: dict[Sink, list[Event]] = {}
 
     def emit(self, job: JobState, event: Event) -> None:
         for client in job.clients:
@@ -43,7 +39,7 @@ class Outbox:
             return
         events, self._events = self._events, {}
         for client, batch in events.items():
-            self._deliver(client, batch)
+            client.deliver(batch)
 
 
 def make_result(state: ItemState, status: Literal["ok", "error"], **fields: Any) -> ItemResult:

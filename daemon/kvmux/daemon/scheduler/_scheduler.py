@@ -13,12 +13,13 @@ import functools
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import structlog
 
 from kvmux.client.errors import BadRequest, Cancelled, Overloaded, ShuttingDown, StorageFull
-from kvmux.client.protocol import AddItems, Item, ItemFinished, ItemResult, SessionInfo, Submit
+from kvmux.client.protocol import Item, ItemFinished, ItemResult, Rejected, SessionInfo
 
 from ..access import OPERATOR, Caller
 from ..engine import Admission
@@ -31,7 +32,7 @@ from ._admission import (
     journaled,
     rejected_results,
 )
-from ._jobs import ItemState, JobState, encoded_size
+from ._jobs import ItemState, JobState, Sink, encoded_size
 from ._loop import TurnLoop
 
 log = structlog.get_logger("kvmux.scheduler")
@@ -47,84 +48,99 @@ class Scheduler(TurnLoop):
 
     async def submit(
         self,
-        client: bytes,
-        msg: Submit,
+        client: Sink,
+        items: list[Item],
         *,
         caller: Caller = OPERATOR,
+        rejected: Sequence[Rejected] = (),
+        detach: bool = False,
+        name: str = "",
+        format: Literal["kvmux", "openai"] = "kvmux",
+        more: bool = False,
         still_wanted: Callable[[], bool] | None = None,
+        transient: bool = False,
     ) -> JobState | None:
         """Validate and enqueue a job. Whole-job refusals raise; a bad item fails alone.
 
         With ``more`` the job stays open for :meth:`add_items`. None if
         ``still_wanted`` says, once the items are checked, that the client is gone:
-        a job nobody can learn the id of is never started."""
+        a job nobody can learn the id of is never started. A ``transient`` job is
+        neither journaled nor retained once done."""
         if self.draining:
             raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
-        if not msg.items and not msg.rejected and not msg.more:
+        if not items and not rejected and not more:
             raise BadRequest("a job needs at least one item (or `more` to add them later)")
         owner = caller.owner
-        if msg.more:
+        if more:
             check_open_share(self.jobs, owner)
-        check_message(self.cfg, len(msg.items), len(msg.rejected), 0)
-        checks = await self._check_items(msg.items, owner)
+        check_message(self.cfg, len(items), len(rejected), 0)
+        checks = await self._check_items(items, owner)
         if still_wanted is not None and not still_wanted():
             log.info(
                 "job_dropped",
                 owner=owner,
-                items=len(msg.items),
+                items=len(items),
                 reason="client gone before it started",
             )
             return None
         job = JobState(
             job_id=secrets.token_hex(6),
             clients=[client],
-            detached=msg.detach,
-            name=msg.name,
+            detached=detach,
+            name=name,
             owner=owner,
-            open=msg.more,
-            format=msg.format,
+            open=more,
+            format=format,
+            transient=transient,
         )
-        rejected = rejected_results(len(msg.items), msg.rejected)
-        if self.journal is not None:
+        refused = rejected_results(len(items), rejected)
+        if self.journal is not None and not transient:
             # Written before it is acknowledged; sampled items with the seed the
             # daemon chose, so a replay after a crash draws the same tokens.
-            wire = journaled(msg.items, checks, msg.rejected)
+            wire = journaled(items, checks, rejected)
             await self._journal_write(
                 job,
                 wire,
                 self.journal.add_job(
                     job.job_id,
                     owner,
-                    msg.name,
-                    msg.detach,
+                    name,
+                    detach,
                     wire,
-                    results=rejected,
-                    format=msg.format,
-                    open=msg.more,
+                    results=refused,
+                    format=format,
+                    open=more,
                 ),
             )
         self.jobs.live[job.job_id] = job
-        self._append(job, msg.items, checks, rejected)
+        self._append(job, items, checks, refused)
         log.info(
             "job_accepted",
             job_id=job.job_id,
-            items=len(msg.items),
+            items=len(items),
             queued=sum(1 for s in job.items if s.phase == "queued" and s.failure is None),
-            refused=sum(1 for s in job.items if s.failure is not None) + len(rejected),
+            refused=sum(1 for s in job.items if s.failure is not None) + len(refused),
             detached=job.detached,
             open=job.open,
         )
         return job
 
     async def add_items(
-        self, client: bytes, msg: AddItems, *, caller: Caller = OPERATOR
+        self,
+        client: Sink,
+        job_id: str,
+        items: list[Item],
+        *,
+        caller: Caller = OPERATOR,
+        rejected: Sequence[Rejected] = (),
+        last: bool = False,
     ) -> JobState:
         """Append items (and rejected lines) to an open job; ``last`` closes it.
 
         Refused whole (``overloaded``) when the items do not fit the queue now:
         the caller sends the same message again later. Items are numbered in
         arrival order."""
-        job = self.jobs.find(msg.job_id, caller)
+        job = self.jobs.find(job_id, caller)
         if job.adding.locked():
             # One addition at a time per job: a flood would otherwise pile up
             # messages (each up to max_message_bytes) waiting for their turn.
@@ -137,32 +153,30 @@ class Scheduler(TurnLoop):
             if self.draining:
                 raise ShuttingDown("kvmuxd is shutting down and admits no new items")
             check_open(job)
-            check_message(self.cfg, len(msg.items), len(msg.rejected), len(job.items))
-            checks = await self._check_items(msg.items, job.owner)
+            check_message(self.cfg, len(items), len(rejected), len(job.items))
+            checks = await self._check_items(items, job.owner)
             check_open(job)  # cancelled, or closed for want of a client, meanwhile
             start = len(job.items)
-            rejected = rejected_results(start + len(msg.items), msg.rejected)
-            if self.journal is not None:
-                wire = journaled(msg.items, checks, msg.rejected)
+            refused = rejected_results(start + len(items), rejected)
+            if self.journal is not None and not job.transient:
+                wire = journaled(items, checks, rejected)
                 await self._journal_write(
                     job,
                     wire,
-                    self.journal.add_items(
-                        job.job_id, start, wire, results=rejected, close=msg.last
-                    ),
+                    self.journal.add_items(job.job_id, start, wire, results=refused, close=last),
                 )
                 check_open(job)
             job.touched = time.monotonic()
-            if msg.last:
+            if last:
                 job.open = False
-            self._append(job, msg.items, checks, rejected)
+            self._append(job, items, checks, refused)
             log.info(
                 "job_items_added",
                 job_id=job.job_id,
-                items=len(msg.items),
-                rejected=len(msg.rejected),
+                items=len(items),
+                rejected=len(rejected),
                 total=len(job.items),
-                last=msg.last,
+                last=last,
             )
             return job
 
@@ -211,7 +225,7 @@ class Scheduler(TurnLoop):
             )
             job.items.append(state)
             job.failed += 1
-            if self.journal is not None:
+            if self.journal is not None and not job.transient:
                 self.jobs.charge(job, encoded_size(result))
             self.finished_by_code["bad_request"] += 1
             self.outbox.emit(job, ItemFinished(job_id=job.job_id, result=result))
@@ -315,7 +329,7 @@ class Scheduler(TurnLoop):
         self._cancel_job(job, reason or Cancelled("cancelled by request", {"job_id": job_id}))
         return job
 
-    def client_gone(self, client: bytes, why: str, reason: str) -> list[str]:
+    def client_gone(self, client: Sink, why: str, reason: str) -> list[str]:
         """Forget a client that left or stopped heartbeating; cancel the jobs (not
         detached) that nobody else is attached to."""
         gone = []
