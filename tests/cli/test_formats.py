@@ -18,7 +18,8 @@ import pytest
 from kvmux.client import Item
 from kvmux.client import protocol as p
 from kvmux.client.cli.batch import BatchReader, LineError, read_batch
-from kvmux.client.cli.results import ResultSink, is_rejected
+from kvmux.client.cli.results import ResultSink
+from kvmux.client.openai import is_rejected
 from kvmux.daemon.engine import Engine, EngineOptions
 
 from .conftest import Kvmuxd

@@ -39,7 +39,6 @@ and the other lines are unaffected.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,91 +46,17 @@ from typing import Any
 import msgspec
 
 from .. import protocol as p
+from ..openai import (
+    NATIVE_FIELDS,
+    RequestError,
+    body_items,
+    json_type,
+    names_of,
+    to_items,
+)
 
-COMPLETIONS_URL = "/v1/completions"
-CHAT_URL = "/v1/chat/completions"
-OPENAI_URL = COMPLETIONS_URL  # the name older callers import
-OPENAI_DEFAULT_MAX_TOKENS = 16
 BOM = b"\xef\xbb\xbf"
-
-_SAMPLING = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "min_tokens",
-        "skip_special_tokens",
-        "max_context",
-        "ignore_eos",
-        "n",
-        "max_tokens",
-    }
-)
-_NATIVE_FIELDS = _SAMPLING | {
-    "custom_id",
-    "prompt",
-    "prompt_tokens",
-    "messages",
-    "max_new_tokens",
-    "min_new_tokens",
-    "logprobs",
-}
 _OPENAI_LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
-_COMPLETIONS_FIELDS = _SAMPLING | {"prompt", "logprobs"}
-_CHAT_FIELDS = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-# Parameters that do not change the completion; files carry them routinely.
-_OPENAI_IGNORED = frozenset(
-    {"model", "user", "stream", "stream_options", "metadata", "store", "service_tier"}
-)
-# Parameters this engine cannot honour, accepted only at a value that means "off".
-_OPENAI_NEUTRAL: dict[str, tuple[object, ...]] = {
-    "echo": (False,),
-    "suffix": ("",),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none",),
-    "function_call": ("none",),
-    "parallel_tool_calls": (False, True),
-    "response_format": ({"type": "text"},),
-}
-_WHY_NOT = {
-    "echo": "the prompt is not returned",
-    "suffix": "no insertion mode",
-    "logit_bias": "no per-token bias",
-    "tools": "no tool calling",
-    "functions": "no tool calling",
-    "tool_choice": "no tool calling",
-    "function_call": "no tool calling",
-    "response_format": "no structured output",
-}
-_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
-# Fields that are whole numbers; JSON writers sometimes emit them as 10.0.
-_INTEGERS = frozenset(
-    {
-        "max_tokens",
-        "max_new_tokens",
-        "max_completion_tokens",
-        "min_tokens",
-        "min_new_tokens",
-        "top_k",
-        "seed",
-        "n",
-        "best_of",
-        "logprobs",
-        "top_logprobs",
-        "max_context",
-    }
-)
-_MAX_CHOICES = 1 << 16  # what one line's results can number (Item.choices)
-_PATH = re.compile(r"`\$\.(\w+)([^`]*)`")
 
 
 class LineError(Exception):
@@ -265,7 +190,7 @@ def _decode(raw: bytes | str, line: int) -> dict[str, Any]:
     except msgspec.DecodeError as exc:
         raise LineError(line, f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise LineError(line, f"expected a JSON object, got {_json_type(obj)}")
+        raise LineError(line, f"expected a JSON object, got {json_type(obj)}")
     return obj
 
 
@@ -286,14 +211,20 @@ def _parse_object(obj: dict[str, Any], line: int) -> list[p.Item]:
 
 
 def _native(obj: dict[str, Any], line: int) -> list[p.Item]:
-    unknown = sorted(obj.keys() - _NATIVE_FIELDS)
+    unknown = sorted(obj.keys() - NATIVE_FIELDS)
     if unknown:
         raise LineError(
             line,
-            f"unknown field {_names(unknown)}; a kvmux line takes {_names(sorted(_NATIVE_FIELDS))} "
-            "(or an OpenAI batch line: custom_id, method, url, body)",
+            f"unknown field {names_of(unknown)}; a kvmux line takes "
+            f"{names_of(sorted(NATIVE_FIELDS))} (or an OpenAI batch line: custom_id, method, "
+            "url, body)",
         )
-    return _to_items(dict(obj), line, prefix="", default_max_tokens=None)
+    fields = dict(obj)
+    fields.setdefault("custom_id", f"line-{line}")
+    try:
+        return to_items(fields, line=line)
+    except RequestError as exc:
+        raise LineError(line, exc.message) from None
 
 
 def _openai(obj: dict[str, Any], line: int) -> list[p.Item]:
@@ -301,263 +232,19 @@ def _openai(obj: dict[str, Any], line: int) -> list[p.Item]:
     if unknown:
         raise LineError(
             line,
-            f"unknown field {_names(unknown)} in an OpenAI batch line (custom_id, method, "
+            f"unknown field {names_of(unknown)} in an OpenAI batch line (custom_id, method, "
             "url, body)",
         )
     method = obj.get("method", "POST")
     if method != "POST":
         raise LineError(line, f"method {method!r} is not supported; OpenAI batch lines use POST")
-    url = obj.get("url")
-    if url not in (COMPLETIONS_URL, CHAT_URL):
-        why = (
-            " (kvmux generates text; it computes no embeddings)" if url == "/v1/embeddings" else ""
-        )
-        raise LineError(
-            line, f"url {url!r} is not supported{why}: use {CHAT_URL!r} or {COMPLETIONS_URL!r}"
-        )
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise LineError(line, f"`body` must be a JSON object, got {_json_type(body)}")
-    chat = url == CHAT_URL
-    accepted = _CHAT_FIELDS if chat else _COMPLETIONS_FIELDS
-    fields: dict[str, Any] = {}
-    for key, value in body.items():
-        if key in accepted:
-            fields[key] = value
-        elif key in _OPENAI_IGNORED or value is None:
-            continue
-        elif key in _OPENAI_NEUTRAL:
-            if value not in _OPENAI_NEUTRAL[key]:
-                raise LineError(
-                    line,
-                    f"`body.{key}` = {_short(value)} is not supported by kvmux "
-                    f"({_WHY_NOT.get(key, 'not supported')}); leave it out",
-                )
-        elif key == "best_of":
-            fields[key] = value  # checked against n below
-        elif key == "prompt" and chat:
-            raise LineError(line, f"a {CHAT_URL} body takes `messages`, not `prompt`")
-        elif key == "messages":
-            raise LineError(line, f"a {COMPLETIONS_URL} body takes `prompt`, not `messages`")
-        else:
-            raise LineError(line, f"unknown field `body.{key}` for {url}")
-    if chat:
-        if "max_tokens" in fields and "max_completion_tokens" in fields:
-            raise LineError(
-                line, "give `body.max_tokens` or `body.max_completion_tokens`, not both"
-            )
-        if "max_completion_tokens" in fields:
-            fields["max_tokens"] = fields.pop("max_completion_tokens")
-        _chat_logprobs(fields, line)
-        if "messages" not in fields:
-            raise LineError(line, f"a {CHAT_URL} body needs `messages`")
-    elif "prompt" not in fields:
-        raise LineError(line, f"a {COMPLETIONS_URL} body needs `prompt`")
-    best_of = fields.pop("best_of", None)
-    if best_of is not None:
-        n = _whole(fields.get("n", 1))
-        if _whole(best_of) != n:
-            raise LineError(
-                line,
-                f"`body.best_of` = {_short(best_of)} is not supported: kvmux returns every "
-                "sequence it samples (leave it out, or equal to `n`)",
-            )
-    if "custom_id" in obj:
-        fields["custom_id"] = obj["custom_id"]
-    default = None if chat else OPENAI_DEFAULT_MAX_TOKENS
-    return _to_items(fields, line, prefix="body.", default_max_tokens=default)
-
-
-def _chat_logprobs(fields: dict[str, Any], line: int) -> None:
-    """Chat's ``logprobs: true`` + ``top_logprobs: k`` as the item's one ``logprobs: k``."""
-    want = fields.pop("logprobs", None)
-    top = fields.pop("top_logprobs", None)
-    if want not in (None, True, False):
-        raise LineError(line, "`body.logprobs` of a chat request is true or false")
-    if want:
-        fields["logprobs"] = 0 if top is None else top
-    elif top is not None:
-        raise LineError(line, "`body.top_logprobs` needs `body.logprobs`: true")
-
-
-def _to_items(
-    fields: dict[str, Any], line: int, *, prefix: str, default_max_tokens: int | None
-) -> list[p.Item]:
-    # JSON null means "not given" in both formats (OpenAI files write "stop": null).
-    given = {k: _whole(v) if k in _INTEGERS else v for k, v in fields.items() if v is not None}
-    names: dict[str, str] = {k: k if k == "custom_id" else prefix + k for k in given}
-
-    def rename(old: str, new: str) -> None:
-        given[new] = given.pop(old)
-        names[new] = names.pop(old)
-
-    if "max_tokens" in given and "max_new_tokens" in given:
-        raise LineError(line, "give `max_tokens` or `max_new_tokens`, not both")
-    if "max_tokens" in given:
-        rename("max_tokens", "max_new_tokens")
-    elif "max_new_tokens" not in given and default_max_tokens is not None:
-        given["max_new_tokens"] = default_max_tokens
-    if "min_tokens" in given and "min_new_tokens" in given:
-        raise LineError(line, "give `min_tokens` or `min_new_tokens`, not both")
-    if "min_tokens" in given:
-        rename("min_tokens", "min_new_tokens")
-    stop = given.get("stop")
-    if isinstance(stop, str):
-        given["stop"] = [stop]
-    if "messages" in given:
-        given["messages"] = _messages(given["messages"], line, names["messages"])
-
-    n = given.pop("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
-        raise LineError(line, f"`{prefix}n` must be a whole number from 1 to 128, got {_short(n)}")
-    prompts: list[Any] = [None]
-    if isinstance(given.get("prompt"), list):
-        if "prompt_tokens" in given:
-            raise LineError(line, "give `prompt` or `prompt_tokens`, not both")
-        prompts = _prompts(given.pop("prompt"), line, names.pop("prompt"))
-    given.setdefault("custom_id", f"line-{line}")
-    seed = given.get("seed")
-    choices = len(prompts) * n
-    if choices > _MAX_CHOICES:
-        raise LineError(
-            line, f"{len(prompts)} prompts x n={n} is {choices} completions; at most {_MAX_CHOICES}"
-        )
-    items = []
-    for i, prompt in enumerate(prompts):
-        for j in range(n):
-            one = dict(given)
-            if isinstance(prompt, str):
-                one["prompt"] = prompt
-                names.setdefault("prompt", prefix + "prompt")
-            elif prompt is not None:
-                one["prompt_tokens"] = prompt
-                names.setdefault("prompt_tokens", prefix + "prompt")
-            if isinstance(seed, int) and not isinstance(seed, bool):
-                one["seed"] = seed + j
-            one.update(line=line, choice=i * n + j, choices=choices, n=n)
-            items.append(_check(one, line, prefix, names))
-    return items
-
-
-def _check(given: dict[str, Any], line: int, prefix: str, names: dict[str, str]) -> p.Item:
-    # convert checks every wire constraint, as check_item would (at half the cost).
     try:
-        item = msgspec.convert(given, p.Item)
-    except msgspec.ValidationError as exc:
-        raise LineError(line, _rename_paths(str(exc), names)) from None
-    if sum(x is not None for x in (item.prompt, item.prompt_tokens, item.messages)) != 1:
-        raise LineError(
-            line,
-            f"exactly one of `{prefix}prompt`, `prompt_tokens` and `{prefix}messages` "
-            "must be given",
+        return body_items(
+            obj.get("url"),
+            obj.get("body"),
+            prefix="body.",
+            custom_id=obj.get("custom_id", f"line-{line}"),
+            line=line,
         )
-    return item
-
-
-def _prompts(prompt: list[Any], line: int, name: str) -> list[Any]:
-    """A list prompt: token ids (one prompt), or a list of texts or of token-id lists."""
-    if not prompt:
-        raise LineError(line, f"`{name}` is empty")
-    if all(_is_token(t) for t in prompt):
-        return [prompt]
-    if len(prompt) > 1024:
-        raise LineError(line, f"`{name}` must hold 1 to 1024 prompts")
-    for k, one in enumerate(prompt):
-        if not isinstance(one, str) and not (
-            isinstance(one, list) and one and all(_is_token(t) for t in one)
-        ):
-            raise LineError(
-                line,
-                f"`{name}[{k}]` must be text or a list of token ids, got {_json_type(one)}",
-            )
-    return prompt
-
-
-def _messages(messages: Any, line: int, name: str) -> list[dict[str, Any]]:
-    """OpenAI's messages as ChatMessage fields: text parts flattened, other parts refused."""
-    if not isinstance(messages, list):
-        raise LineError(line, f"`{name}` must be a list of messages, got {_json_type(messages)}")
-    out = []
-    for k, msg in enumerate(messages):
-        where = f"`{name}[{k}]`"
-        if not isinstance(msg, dict):
-            raise LineError(line, f"{where} must be an object, got {_json_type(msg)}")
-        unknown = sorted(msg.keys() - {"role", "content", "name"})
-        if unknown:
-            raise LineError(
-                line, f"{where} has {_names(unknown)}, which kvmux does not support (no tools)"
-            )
-        role = msg.get("role")
-        if role not in _ROLES:
-            raise LineError(
-                line, f"{where}.role must be one of {', '.join(sorted(_ROLES))}; got {role!r}"
-            )
-        content = msg.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            content = _flatten(content, line, where)
-        elif not isinstance(content, str):
-            raise LineError(line, f"{where}.content must be text or a list of text parts")
-        entry: dict[str, Any] = {"role": role, "content": content}
-        if msg.get("name") is not None:
-            entry["name"] = msg["name"]
-        out.append(entry)
-    return out
-
-
-def _flatten(parts: list[Any], line: int, where: str) -> str:
-    # vLLM joins the text parts of one message with newlines; so does kvmux.
-    texts = []
-    for k, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise LineError(
-                line,
-                f"{where}.content[{k}] is a {kind or _json_type(part)!s} part; kvmux takes "
-                'text only ({"type": "text", "text": ...})',
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _whole(value: Any) -> Any:
-    """10.0 as 10; anything else unchanged (and refused later if it is not a number)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _rename_paths(message: str, names: dict[str, str]) -> str:
-    """msgspec's ``$.max_new_tokens`` as the name the line used (``body.max_tokens``)."""
-    return _PATH.sub(lambda m: f"`{names.get(m.group(1), m.group(1))}{m.group(2)}`", message)
-
-
-def _names(keys: list[str]) -> str:
-    return ", ".join(f"`{k}`" for k in keys)
-
-
-def _short(value: object) -> str:
-    text = msgspec.json.encode(value).decode()
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _json_type(value: object) -> str:
-    match value:
-        case None:
-            return "null"
-        case bool():
-            return "a boolean"
-        case int() | float():
-            return "a number"
-        case str():
-            return "a string"
-        case list():
-            return "an array"
-        case dict():
-            return "an object"
-    return type(value).__name__
+    except RequestError as exc:
+        raise LineError(line, exc.message) from None

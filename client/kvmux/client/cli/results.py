@@ -33,8 +33,6 @@ not created (nor an existing file touched) before its first line.
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -42,26 +40,12 @@ from typing import IO, Any, Literal
 import msgspec
 
 from .. import protocol as p
+from ..openai import batch_output_line, batch_refused_line, is_rejected
 from .batch import LineError
 from .connect import CliError
 
 Format = Literal["kvmux", "openai"]
 PARTIAL_SUFFIX = ".partial"
-
-# The HTTP status OpenAI would answer a request with, for each kvmux error code.
-_STATUS = {
-    "bad_request": 400,
-    "unauthorized": 401,
-    "not_found": 404,
-    "overloaded": 429,
-    "kv_capacity_exceeded": 400,
-    "shutdown": 503,
-    "not_ready": 503,
-    "storage_full": 507,
-}
-# Items stopped before they finished, not failed by what they asked.
-_STOPPED = frozenset({"cancelled", "shutdown"})
-_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
 
 
 def resolve_format(option: str, openai_input: bool | None) -> Format:
@@ -119,143 +103,6 @@ def refused_line(err: LineError) -> dict[str, Any]:
         "usage": None,
         "seed": None,
         "error": msgspec.to_builtins(err.to_info()),
-    }
-
-
-def openai_line(results: list[p.ItemResult], model: str) -> dict[str, Any]:
-    """OpenAI's batch output object for every choice of one input line."""
-    results = sorted(results, key=lambda r: r.choice)
-    first = results[0]
-    failed = next((r for r in results if r.status != "ok"), None)
-    response: dict[str, Any] = {"status_code": 200, "request_id": uuid.uuid4().hex}
-    if failed is not None and failed.error is not None and failed.error.code in _STOPPED:
-        # As the Batch API reports the requests of a cancelled batch; the
-        # partial text stays in kvmux's format.
-        return openai_refused(first.custom_id, failed.error.message, "batch_cancelled")
-    if failed is not None:
-        info = failed.error or p.ErrorInfo(code="internal", message="failed")
-        status = _STATUS.get(info.code, 500)
-        response["status_code"] = status
-        response["body"] = {
-            "error": {
-                "message": info.message,
-                "type": _ERROR_TYPE.get(status, "server_error"),
-                "param": None,
-                "code": info.code,
-            }
-        }
-    else:
-        chat = first.chat
-        usage = _usage(results, chat)
-        response["body"] = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [_choice(r, chat) for r in results],
-            "usage": usage,
-        }
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": first.custom_id,
-        "response": response,
-        "error": None,
-    }
-
-
-def openai_refused(custom_id: str, message: str, code: str = "invalid_request") -> dict[str, Any]:
-    """OpenAI's batch output object for a line that never ran (or was stopped)."""
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": custom_id,
-        "response": None,
-        "error": {"code": code, "message": message},
-    }
-
-
-def is_rejected(result: p.ItemResult) -> bool:
-    """Whether a job's error result stands for an input line the client refused
-    (sent as :class:`~kvmux.client.protocol.Rejected`), not an item that ran."""
-    error = result.error
-    return (
-        error is not None
-        and error.code == "bad_request"
-        and result.usage is None
-        and "reason" in error.details
-        and error.details.get("line") == result.line
-    )
-
-
-def _usage(results: list[p.ItemResult], chat: bool) -> dict[str, int]:
-    used = [(r, r.usage) for r in results if r.usage is not None]
-    completion = sum(u.completion_tokens for _, u in used)
-    # As OpenAI counts them: each prompt once, however many choices (``n``) it
-    # has. A chat line has one conversation; a completions line may hold
-    # several prompts, ``n`` choices each.
-    prompts = {0 if chat else r.choice // r.n: u.prompt_tokens for r, u in used}
-    prompt = sum(prompts.values())
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    # The engine says "stop" (end of sequence, a stop string or token) and
-    # "length" (max_tokens or the context): OpenAI's words already.
-    if reason is None or reason in ("stop", "length"):
-        return reason
-    return "stop"
-
-
-def _choice(result: p.ItemResult, chat: bool) -> dict[str, Any]:
-    reason = _finish_reason(result.finish_reason)
-    if chat:
-        logprobs = None
-        if result.logprobs is not None:
-            logprobs = {
-                "content": [
-                    {
-                        "token": t.token,
-                        "logprob": t.logprob,
-                        "bytes": list(t.token.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": c.token,
-                                "logprob": c.logprob,
-                                "bytes": list(c.token.encode()),
-                            }
-                            for c in t.top
-                        ],
-                    }
-                    for t in result.logprobs
-                ]
-            }
-        return {
-            "index": result.choice,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": logprobs,
-            "finish_reason": reason,
-        }
-    return {
-        "index": result.choice,
-        "text": result.text,
-        "logprobs": None if result.logprobs is None else _completion_logprobs(result.logprobs),
-        "finish_reason": reason,
-    }
-
-
-def _completion_logprobs(steps: list[p.TokenLogprob]) -> dict[str, Any]:
-    offsets, at = [], 0
-    for t in steps:
-        offsets.append(at)
-        at += len(t.token)
-    return {
-        "tokens": [t.token for t in steps],
-        "token_logprobs": [t.logprob for t in steps],
-        "top_logprobs": [{c.token: c.logprob for c in t.top} if t.top else None for t in steps],
-        "text_offset": offsets,
     }
 
 
@@ -345,27 +192,30 @@ class ResultSink:
             return
         if is_rejected(result):
             assert result.error is not None
-            self._emit(openai_refused(result.custom_id, result.error.message), ok=False)
+            self._emit(batch_refused_line(result.custom_id, result.error.message), ok=False)
             return
         key = (result.custom_id, result.line)
         group = self._groups.setdefault(key, [])
         group.append(result)
         if len(group) >= result.choices:
             del self._groups[key]
-            self._emit(openai_line(group, self.model), ok=all(r.status == "ok" for r in group))
+            self._line(group)
 
     def refused(self, err: LineError) -> None:
         if self.format == "kvmux":
             self._emit(refused_line(err), ok=False)
         else:
-            self._emit(openai_refused(err.custom_id, str(err)), ok=False)
+            self._emit(batch_refused_line(err.custom_id, str(err)), ok=False)
 
     def flush(self) -> None:
         """Write the lines still missing some choices with those they have (the job is
         over: the rest will not come)."""
         groups, self._groups = self._groups, {}
         for group in groups.values():
-            self._emit(openai_line(group, self.model), ok=all(r.status == "ok" for r in group))
+            self._line(group)
+
+    def _line(self, group: list[p.ItemResult]) -> None:
+        self._emit(batch_output_line(group, self.model), ok=all(r.status == "ok" for r in group))
 
     @property
     def pending(self) -> int:
