@@ -124,6 +124,12 @@ class DaemonProcess:
                 if isinstance(event, dict) and (name is None or event.get("event") == name):
                     yield event
 
+    @property
+    def http_url(self) -> str:
+        """Where its HTTP front listens (the last start's, from its log); "" if off."""
+        started = list(self.events("http_listening"))
+        return str(started[-1]["url"]) if started else ""
+
     def stderr_tail(self, n: int = 4000) -> str:
         path = self.folder / "kvmuxd.err"
         return path.read_text(errors="replace")[-n:] if path.exists() else ""

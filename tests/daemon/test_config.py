@@ -49,6 +49,8 @@ def test_production_config_values() -> None:
     assert cfg.scheduler == Config().scheduler
     assert cfg.kv == Config().kv
     assert cfg.budget == Config().budget
+    # HTTP is on in the shipped config, on loopback; every other [http] key at its default.
+    assert cfg.http == msgspec.structs.replace(Config().http, listen="127.0.0.1:8000")
 
 
 def test_local_config_values() -> None:

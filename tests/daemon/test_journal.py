@@ -313,12 +313,17 @@ def test_a_version_1_journal_is_upgraded_in_place_and_keeps_its_jobs(state: Path
         journal.add_job("j2", "uid:1", "new", False, [item], format="openai", open=True).result(10)
         journal.add_items("j2", 1, [item], close=False).result(10)
         reloaded = {j.job_id: j for j in journal.load()}
+        # Version 3's tables for the Files and Batch API are there too.
+        journal.put_record("files", "file-1", "uid:1", b"\x80").result(10)
+        journal.put_record("batches", "batch_1", "uid:1", b"\x81").result(10)
+        records = (journal.load_records("files"), journal.load_records("batches"))
     finally:
         journal.close()
+    assert records == ([("file-1", "uid:1", b"\x80")], [("batch_1", "uid:1", b"\x81")])
     assert (reloaded["j2"].format, reloaded["j2"].open, len(reloaded["j2"].items)) == (
         "openai",
         True,
         2,
     )
     version = sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0]
-    assert version == SCHEMA_VERSION == 2
+    assert version == SCHEMA_VERSION == 3

@@ -420,6 +420,7 @@ _STATUS = {
     "bad_request": 400,
     "unauthorized": 401,
     "not_found": 404,
+    "model_not_found": 404,
     "overloaded": 429,
     "kv_capacity_exceeded": 400,
     "shutdown": 503,

@@ -413,6 +413,8 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     client_bound_bytes: int = 0
     # Sessions left out of ``sessions`` to keep the reply within MAX_REPLY_BYTES.
     sessions_omitted: int = 0
+    # Where OpenAI's HTTP API answers ("" when http.listen is off).
+    http_url: str = ""
 
 
 class JobInfo(msgspec.Struct, frozen=True):

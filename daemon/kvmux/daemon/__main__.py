@@ -21,7 +21,7 @@ import structlog
 from kvmux.kv import KvConfigError
 
 from .app import DAEMON_VERSION, Daemon
-from .config import EX_CONFIG, Config, ConfigError, load_config, with_endpoint
+from .config import EX_CONFIG, Config, ConfigError, load_config, with_endpoint, with_http
 from .engine import EngineError
 from .journal import JournalError
 from .logs import close_log_file, configure_logging, reopen_log_file
@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         "--endpoint",
         help="listen here instead of server.endpoint (ipc://PATH or tcp://HOST:PORT)",
     )
+    ap.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help='serve OpenAI\'s HTTP API here instead of http.listen ("" turns it off)',
+    )
     ap.add_argument("--version", action="version", version=f"%(prog)s {DAEMON_VERSION}")
     ap.add_argument(
         "--check-config", action="store_true", help="validate the config and exit (0 if valid)"
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config) if args.config else Config()
         if args.endpoint:
             config = with_endpoint(config, args.endpoint)
+        if args.http is not None:
+            config = with_http(config, args.http)
     except ConfigError as exc:
         print(f"kvmuxd: invalid config: {exc}", file=sys.stderr)
         return EX_CONFIG

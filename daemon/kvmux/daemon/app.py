@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -29,10 +30,13 @@ from kvmux.client.errors import ShuttingDown
 from kvmux.kv import KvConfigError, MemoryBudget, failpoints, format_bytes, resolve_min_bucket
 
 from .access import OPERATOR, Caller
+from .batches import Batches, FileStore
 from .budget import RequestBudget
 from .config import Config, ConfigError, ModelConfig
 from .coordinator import GrowthCoordinator
 from .engine import Engine, EngineOptions
+from .http import HttpFront
+from .http.keys import ApiKeys
 from .journal import Journal, default_journal_path
 from .metrics import Metrics
 from .model import resolve_model
@@ -89,6 +93,15 @@ def startup_problems(config: Config) -> list[ConfigError]:
         problems.append(
             ConfigError(f"{server.curve_secret_key} is not a file", key="server.curve_secret_key")
         )
+    if config.http.api_keys:
+        try:
+            ApiKeys(config.http.api_keys).load()
+        except ConfigError as exc:
+            problems.append(exc)
+    for key in ("tls_certfile", "tls_keyfile"):
+        value = getattr(config.http, key)
+        if value and not Path(value).is_file():
+            problems.append(ConfigError(f"{value} is not a file", key=f"http.{key}"))
     if server.curve_authorized_keys and not Path(server.curve_authorized_keys).is_dir():
         problems.append(
             ConfigError(
@@ -125,6 +138,8 @@ class Daemon:
         self.server: Server | None = None
         self.model_name = config.model.path or config.model.name
         self.journal: Journal | None = None
+        self.http: HttpFront | None = None
+        self._files_tmp: tempfile.TemporaryDirectory[str] | None = None
         self.instance = secrets.token_hex(8)
         # Shared by every front: an owner's requests cost the same budget on each.
         self.budget = RequestBudget(config.budget)
@@ -165,9 +180,14 @@ class Daemon:
             # a large model loads (jobs are answered not_ready until then).
             server.bind()
             self.journal = self._open_journal()
+            self.http = self._http_front()
+            # Unfinished batches' jobs: restore must not prune them before they are done.
+            pinned = self.http.batches.load() if self.http is not None else set()
             self.metrics.attach(self)
             async with anyio.create_task_group() as tg:
                 await tg.start(server.serve)
+                if self.http is not None:
+                    await tg.start(self.http.serve)
                 # The loop is alive while the model loads: keep systemd's watchdog fed.
                 tg.start_soon(self._keepalive)
                 log.info("daemon_loading", endpoint=self.endpoint, model=self.model_name)
@@ -180,6 +200,7 @@ class Daemon:
                     self.config.jobs,
                 )
                 scheduler.metrics = self.metrics
+                scheduler.jobs.pinned.update(pinned)
                 if self.journal is not None:
                     scheduler.journal = self.journal
                     started = time.perf_counter()
@@ -196,6 +217,9 @@ class Daemon:
                 self.scheduler = scheduler
                 self.service.ready(scheduler)
                 tg.start_soon(self._housekeeping)
+                if self.http is not None:
+                    self.http.max_model_len = self.engine.spec.context_length
+                    await tg.start(self.http.batches.run)
                 if self.config.metrics.listen:
                     host, port = self.metrics.serve(self.config.metrics.listen)
                     log.info("metrics_listening", url=f"http://{host}:{port}/metrics")
@@ -217,6 +241,8 @@ class Daemon:
         finally:
             if self.journal is not None:
                 self.journal.close()  # commits what is queued: finished results are kept
+            if self._files_tmp is not None:
+                self._files_tmp.cleanup()
             self.metrics.close()
             self.worker.close()
             self.notifier.close()
@@ -236,6 +262,45 @@ class Daemon:
         while True:
             await anyio.sleep(1.0)
             self.service.housekeeping()
+            if self.http is not None:
+                self.http.housekeeping()
+
+    def _http_front(self) -> HttpFront | None:
+        """OpenAI's HTTP API (``http.listen``), bound now: a port in use stops the start,
+        and /health answers ``loading`` while the model loads."""
+        cfg = self.config.http
+        if not cfg.listen:
+            return None
+        if cfg.files_dir:
+            folder = Path(cfg.files_dir)
+        elif self.journal is not None:
+            folder = self.journal.path.with_name(self.journal.path.stem + ".files")
+        else:
+            # No journal: files last as long as the daemon, like its jobs.
+            self._files_tmp = tempfile.TemporaryDirectory(prefix="kvmuxd-files-")
+            folder = Path(self._files_tmp.name)
+        files = FileStore(folder, self.journal, cfg)
+        files.restore()
+        batches = Batches(
+            self.service,
+            files,
+            self.journal,
+            cfg,
+            self.config.scheduler,
+            (cfg.served_model_names or [self.model_name])[0],
+        )
+        front = HttpFront(
+            cfg,
+            self.service,
+            files,
+            batches,
+            model=self.model_name,
+            max_model_len=None,
+            state=lambda: self.state,
+            grace=self.config.shutdown.grace,
+        )
+        front.bind()
+        return front
 
     def status_line(self) -> str:
         """One line for ``systemctl status``: state, sessions, KV in use."""
@@ -267,9 +332,12 @@ class Daemon:
         return journal
 
     def reload(self) -> None:
-        """SIGHUP: re-read what can change without a restart (CURVE authorized keys)."""
+        """SIGHUP: re-read what can change without a restart (CURVE authorized keys,
+        HTTP API keys)."""
         if self.server is not None:
             self.server.reload_keys()
+        if self.http is not None:
+            self.http.reload_keys()
 
     def stop(self) -> None:
         """Begin a graceful stop (drain); safe to call more than once."""
@@ -289,25 +357,26 @@ class Daemon:
         with anyio.move_on_after(grace):
             while _has_items(scheduler):
                 await anyio.sleep(0.05)
+        stopped = ShuttingDown(
+            f"kvmuxd shut down before this item finished (shutdown.grace {grace:g} s)",
+            {"grace_seconds": grace},
+        )
         if self.journal is not None:
-            # Nothing is failed: what did not finish stays in the journal and
-            # runs when kvmuxd is back; clients wait for it and re-attach.
+            # Nothing journaled is failed: what did not finish stays in the journal
+            # and runs when kvmuxd is back; clients wait for it and re-attach. An
+            # HTTP request's job is not journaled: its client hears why it ends.
+            scheduler.cancel_all(stopped, transient_only=True)
             if _has_items(scheduler):
                 log.warning(
                     "daemon_stopping_with_work",
                     journal=str(self.journal.path),
                     **scheduler.counts(),
                 )
-        elif not scheduler.idle:
-            scheduler.cancel_all(
-                ShuttingDown(
-                    f"kvmuxd shut down before this item finished (shutdown.grace {grace:g} s)",
-                    {"grace_seconds": grace},
-                )
-            )
-            with anyio.move_on_after(5.0):
-                while not scheduler.idle:
-                    await anyio.sleep(0.01)
+        else:
+            scheduler.cancel_all(stopped)
+        with anyio.move_on_after(5.0):
+            while _unfinished_transient(scheduler) if self.journal else not scheduler.idle:
+                await anyio.sleep(0.01)
         await server.flush()
 
     # -- what clients ask ---------------------------------------------------------
@@ -373,7 +442,12 @@ class Daemon:
             replies_dropped=self.server.lost_replies if self.server else 0,
             requests_refused=self.budget.refused,
             client_bound_bytes=client_bound_bytes(cfg.server),
+            http_url=self.http.url if self.http is not None else "",
         )
+
+
+def _unfinished_transient(scheduler: Scheduler) -> list[str]:
+    return [j.job_id for j in scheduler.jobs.live.values() if j.transient]
 
 
 def _has_items(scheduler: Scheduler) -> bool:

@@ -7,12 +7,15 @@ loop's time from everyone's decoding, so each connection and each owner (see
 :mod:`.access`) gets a token bucket of *event-loop seconds*: it fills at
 ``rate`` seconds per second up to ``burst``, and each request is charged what
 it took to handle, measured as the loop thread's CPU time (not the time it
-waited for the GIL while the model thread held it), plus what sending its reply costs outside the
-loop (libzmq's I/O thread and the kernel copy it, about a nanosecond a byte:
-a flood of large pages costs those more than the loop). A request that finds its connection's or its
-owner's bucket empty is answered ``overloaded`` with a ``retry_after`` (the
-time until it is positive again), before anything is built for it; the
-refusal is charged too, so a flood stays refused for as long as it goes on.
+waited for the GIL while the model thread held it), plus what sending its
+reply costs outside the loop (libzmq's I/O thread and the kernel copying it,
+about two nanoseconds a byte: a flood of large pages costs those more than
+the loop). A request that finds its connection's or its owner's bucket empty
+is answered ``overloaded`` with a ``retry_after`` (the time until it is
+positive again), before anything is built for it. A refusal is not charged
+(a client that waits as told would otherwise be refused for ever): a flood is
+served at the rate its budget refills, and refused, at the cost of the
+cheapest answer there is, the rest of the time.
 
 Requests that only release things (cancel, detach, bye, heartbeats) are
 never refused, only charged. The budget knows nothing of ZeroMQ or HTTP:
@@ -32,8 +35,8 @@ from .config import BudgetConfig
 # it, encoding and sending the reply): measured ~20-40 us on this machine.
 REQUEST_OVERHEAD_SECONDS = 50e-6
 # What sending a reply costs beyond the loop, per byte (libzmq's I/O thread and the
-# kernel copying it): about 1 GB/s of replies a core.
-BYTE_SECONDS = 1e-9
+# kernel copying it, and the reader taking it): about 500 MB/s of replies a core.
+BYTE_SECONDS = 2e-9
 # Bounds of the retry_after hint: not a busy loop, not an eternity.
 _RETRY_MIN = 0.01
 _RETRY_MAX = 5.0
@@ -107,8 +110,8 @@ class RequestBudget:
         )
 
     def charge(self, conn: Bucket | None, owner: str, seconds: float, reply_bytes: int) -> None:
-        """Charge a handled (or refused) request's cost to ``conn`` and ``owner``: the
-        loop ``seconds`` it took and the ``reply_bytes`` it sent."""
+        """Charge a handled request's cost to ``conn`` and ``owner``: the loop
+        ``seconds`` it took and the ``reply_bytes`` it sent."""
         cost = seconds + REQUEST_OVERHEAD_SECONDS + reply_bytes * BYTE_SECONDS
         now = _now()
         if conn is not None and self.cfg.connection_rate > 0:

@@ -24,6 +24,7 @@ __all__ = [
     "BudgetConfig",
     "Config",
     "ConfigError",
+    "HttpConfig",
     "JobsConfig",
     "KvConfig",
     "LogConfig",
@@ -36,6 +37,7 @@ __all__ = [
     "owner_queue_share",
     "parse_config",
     "with_endpoint",
+    "with_http",
 ]
 
 EX_CONFIG = 78
@@ -115,9 +117,43 @@ class BudgetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     past it a request is answered ``overloaded`` with a ``retry_after``."""
 
     connection_rate: NonNegFloat = 0.05
-    connection_burst: PositiveFloat = 0.1
+    connection_burst: PositiveFloat = 0.05
     owner_rate: NonNegFloat = 0.1
-    owner_burst: PositiveFloat = 0.25
+    owner_burst: PositiveFloat = 0.1
+
+
+class HttpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[http]``: OpenAI's HTTP API (completions, files, batches) beside the socket."""
+
+    # host:port ("" = off: a config without [http] serves no HTTP; the shipped
+    # configs listen on 127.0.0.1:8000). Beyond loopback only with api_keys.
+    listen: str = ""
+    # A TOML file of API keys (their SHA-256) and the owners they stand for;
+    # "" = no keys: everyone is `anonymous` (loopback only). Re-read on SIGHUP.
+    api_keys: str = ""
+    # The names `model` may take; [] = the served model's name.
+    served_model_names: list[str] = msgspec.field(default_factory=list)
+    # TLS straight from kvmuxd (else a reverse proxy): both or neither.
+    tls_certfile: str = ""
+    tls_keyfile: str = ""
+    # Bodies: a JSON request, an uploaded file (multipart), lines in a batch file.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
+    max_file_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 200 * 1024 * 1024
+    max_batch_lines: PositiveInt = 50_000
+    # Files: kept this long unless the upload says (expires_after), and at most
+    # this much (bytes) and this many per owner. "" = beside the job journal.
+    files_dir: str = ""
+    file_retention: Annotated[float, msgspec.Meta(ge=3600)] = 30 * 24 * 3600.0
+    max_owner_file_bytes: PositiveInt = 10 * 1024**3
+    max_owner_files: PositiveInt = 1000
+    # Connections: open at once (past it, requests get 503), seconds to send a
+    # request's headers, its body, to take each piece of a response, and idle
+    # between requests.
+    max_connections: PositiveInt = 2048
+    header_timeout: PositiveFloat = 10.0
+    body_timeout: PositiveFloat = 60.0
+    send_timeout: PositiveFloat = 60.0
+    keep_alive_timeout: PositiveFloat = 5.0
 
 
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -192,6 +228,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     budget: BudgetConfig = msgspec.field(default_factory=BudgetConfig)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     kv: KvConfig = msgspec.field(default_factory=KvConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     jobs: JobsConfig = msgspec.field(default_factory=JobsConfig)
@@ -234,6 +271,13 @@ def with_endpoint(cfg: Config, endpoint: str, *, source: str = "--endpoint") -> 
     replaced = msgspec.structs.replace(
         cfg, server=msgspec.structs.replace(cfg.server, endpoint=endpoint)
     )
+    _check(replaced, source)
+    return replaced
+
+
+def with_http(cfg: Config, listen: str, *, source: str = "--http") -> Config:
+    """``cfg`` serving HTTP on ``listen`` instead ("" = off: kvmuxd --http), checked."""
+    replaced = msgspec.structs.replace(cfg, http=msgspec.structs.replace(cfg.http, listen=listen))
     _check(replaced, source)
     return replaced
 
@@ -340,6 +384,28 @@ def _check(cfg: Config, source: str) -> None:
         if problem is not None:
             raise fail("metrics.listen", problem)
 
+    http = cfg.http
+    if http.listen:
+        try:
+            host, _ = split_listen(http.listen)
+        except ValueError as exc:
+            raise fail("http.listen", str(exc)) from None
+        if not http.api_keys and not _is_loopback(host):
+            raise fail(
+                "http.listen",
+                f"{http.listen!r} listens beyond loopback without API keys; set "
+                "http.api_keys (a file of keys and their owners) or listen on 127.0.0.1",
+            )
+    if bool(http.tls_certfile) != bool(http.tls_keyfile):
+        raise fail(
+            "http.tls_keyfile" if http.tls_certfile else "http.tls_certfile",
+            "TLS needs both http.tls_certfile and http.tls_keyfile (or neither: a reverse "
+            "proxy terminates TLS)",
+        )
+    for name in http.served_model_names:
+        if not name or len(name) > 256:
+            raise fail("http.served_model_names", f"{name!r} is not a model name (1-256 chars)")
+
 
 def _loopback_tcp_problem(endpoint: str) -> str | None:
     """Why a tcp endpoint without CURVE is refused: anything but loopback is open to all."""
@@ -358,15 +424,33 @@ def _loopback_tcp_problem(endpoint: str) -> str | None:
     )
 
 
-def _loopback_listen_problem(listen: str) -> str | None:
-    """Why ``listen`` is not a loopback ``host:port``, or None when it is."""
+def split_listen(listen: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) as (host, port); ValueError if it is not one."""
     host, sep, port = listen.rpartition(":")
     if not sep or not host:
-        return f"{listen!r} must be host:port, e.g. 127.0.0.1:9464"
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        return f"{listen!r} has an invalid port {port!r}; expected 1-65535"
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
+        raise ValueError(f"{listen!r} must be host:port, e.g. 127.0.0.1:9464")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{listen!r} has an invalid port {port!r}; expected 0-65535")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_listen_problem(listen: str) -> str | None:
+    """Why ``listen`` is not a loopback ``host:port``, or None when it is."""
+    try:
+        host, port = split_listen(listen)
+    except ValueError as exc:
+        return str(exc)
+    if port == 0:
+        return f"{listen!r} has an invalid port 0; expected 1-65535"
     if host.lower() == "localhost":
         return None
     try:

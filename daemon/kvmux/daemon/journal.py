@@ -31,7 +31,11 @@ refused with its version named):
   resolved, so a replayed sampled item draws the same tokens) and, once it
   finished, its ``ItemResult``, both msgpack. A line the client could not
   parse is a row with its ``Item`` reduced to ``custom_id`` and ``line`` and
-  its ``bad_request`` result, written together.
+  its ``bad_request`` result, written together;
+- ``files(file_id, owner, data)`` and ``batches(batch_id, owner, data)``
+  (version 3): the Files and Batch API's records, msgpack blobs that
+  :mod:`kvmux.daemon.batches` reads (a file's content lives beside the
+  journal, its SHA-256 in its record).
 
 Items added to an open job are committed before ``added`` is answered, like
 a submit's. A job journaled open comes back open after a restart: its
@@ -61,7 +65,7 @@ from kvmux.client.protocol import Item, ItemResult
 
 log = structlog.get_logger("kvmux.journal")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -82,6 +86,19 @@ CREATE TABLE IF NOT EXISTS items (
     result BLOB,
     PRIMARY KEY (job_id, idx)
 ) WITHOUT ROWID;
+"""
+# Version 3: the Files and Batch API's records.
+_SCHEMA_V3 = """
+CREATE TABLE IF NOT EXISTS files (
+    file_id TEXT PRIMARY KEY,
+    owner   TEXT NOT NULL,
+    data    BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY,
+    owner    TEXT NOT NULL,
+    data     BLOB NOT NULL
+);
 """
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -161,6 +178,12 @@ class Journal:
             if result is not None:
                 job.results[idx] = _result.decode(result)
         return list(jobs.values())
+
+    def load_records(self, table: str) -> list[tuple[str, str, bytes]]:
+        """Every row of ``files`` or ``batches``: (id, owner, data), in insertion order."""
+        if table not in ("files", "batches"):
+            raise ValueError(table)
+        return list(self._db.execute(f"SELECT * FROM {table} ORDER BY rowid"))
 
     def size(self) -> int:
         """Bytes on disk: the database and its write-ahead log."""
@@ -247,6 +270,22 @@ class Journal:
         self.submit(
             lambda db: db.execute("UPDATE jobs SET finished = ? WHERE job_id = ?", (when, job_id))
         )
+
+    def put_record(
+        self, table: str, record_id: str, owner: str, data: bytes
+    ) -> concurrent.futures.Future[None]:
+        """Write (or overwrite) a ``files`` or ``batches`` row."""
+        if table not in ("files", "batches"):
+            raise ValueError(table)
+        sql = f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)"
+        return self.submit(lambda db: db.execute(sql, (record_id, owner, data)))
+
+    def delete_record(self, table: str, record_id: str) -> concurrent.futures.Future[None]:
+        if table not in ("files", "batches"):
+            raise ValueError(table)
+        key = "file_id" if table == "files" else "batch_id"
+        sql = f"DELETE FROM {table} WHERE {key} = ?"
+        return self.submit(lambda db: db.execute(sql, (record_id,)))
 
     def delete(self, job_ids: list[str]) -> None:
         rows = [(j,) for j in job_ids]
@@ -383,7 +422,9 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
         # Version 2: jobs remember their output format and whether they take more items.
         db.execute("ALTER TABLE jobs ADD COLUMN format TEXT NOT NULL DEFAULT 'kvmux'")
         db.execute("ALTER TABLE jobs ADD COLUMN open INTEGER NOT NULL DEFAULT 0")
-    # Future versions: `if version < 3: ALTER TABLE ...` steps, in order, here.
+    if version < 3:
+        db.executescript(_SCHEMA_V3)
+    # Future versions: `if version < 4: ALTER TABLE ...` steps, in order, here.
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 

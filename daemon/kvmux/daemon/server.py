@@ -438,7 +438,13 @@ class Server:
         peer = self._touch(ident, frames[0], caller)
         try:
             if isinstance(req, _METERED):
-                self.budget.check(peer.bucket, caller.owner)
+                try:
+                    self.budget.check(peer.bucket, caller.owner)
+                except Overloaded as exc:
+                    # Refused, not charged: charging the cheapest answer too would keep
+                    # a client that waits as told refused for ever.
+                    self.send(ident, p.ErrorReply(id=req.id, error=exc.to_info()))
+                    return
             if peer.backlog and isinstance(req, _BUILDS_REPLY):
                 # Its replies pile up unread: whatever were built now would wait
                 # behind them, or be dropped.

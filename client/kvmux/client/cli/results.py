@@ -201,11 +201,13 @@ class ResultSink:
             del self._groups[key]
             self._line(group)
 
-    def refused(self, err: LineError) -> None:
+    def refused(self, err: LineError, code: str = "invalid_request") -> None:
+        """A line that never ran; ``code`` is OpenAI's for why (a batch stopped before
+        it ran it: ``batch_cancelled``, ``batch_expired``)."""
         if self.format == "kvmux":
             self._emit(refused_line(err), ok=False)
         else:
-            self._emit(batch_refused_line(err.custom_id, str(err)), ok=False)
+            self._emit(batch_refused_line(err.custom_id, str(err), code), ok=False)
 
     def flush(self) -> None:
         """Write the lines still missing some choices with those they have (the job is

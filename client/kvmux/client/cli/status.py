@@ -55,6 +55,7 @@ def overview(st: p.DaemonStatus, endpoint: str) -> Table:
         ("model", f"{st.model} ({st.provider})"),
         ("version", f"{st.version}, pid {st.pid}, up {_duration(st.uptime_seconds)}"),
         ("clients", str(st.clients)),
+        ("HTTP", f"{st.http_url}/v1 (OpenAI's API)" if st.http_url else "off (http.listen)"),
         (
             "you",
             f"{st.caller or '?'}"

@@ -215,6 +215,8 @@ class JobTable:
         self.retained_tokens = 0
         self.journal: Journal | None = None
         self.journal_total = 0
+        # Jobs retention must not drop yet: a batch's, until its files are written.
+        self.pinned: set[str] = set()
 
     def charge(self, job: JobState, size: int) -> None:
         """Count ``size`` journal bytes to ``job`` (and so to the retention bound)."""
@@ -329,12 +331,15 @@ class JobTable:
     def prune_retained(self) -> None:
         """Drop the oldest finished jobs past ``jobs.retention`` seconds, beyond
         ``jobs.max_retained`` jobs, ``jobs.max_retained_tokens`` tokens or (journaled)
-        ``jobs.max_journal_bytes`` (the newest stays), from memory and the journal."""
+        ``jobs.max_journal_bytes`` (the newest stays, and so do pinned jobs), from memory
+        and the journal."""
         cfg = self.cfg
         cutoff = time.monotonic() - cfg.retention
         dropped = []
         while self.retained:
-            oldest = next(iter(self.retained.values()))
+            oldest = next((j for j in self.retained.values() if j.job_id not in self.pinned), None)
+            if oldest is None:
+                break
             expired = oldest.finished_at is not None and oldest.finished_at < cutoff
             too_many = len(self.retained) > cfg.max_retained
             several = len(self.retained) > 1
@@ -342,7 +347,7 @@ class JobTable:
             too_big = too_big or (self.journal_total > cfg.max_journal_bytes and several)
             if not (expired or too_many or too_big):
                 break
-            self.retained.popitem(last=False)
+            del self.retained[oldest.job_id]
             self.retained_tokens -= oldest.tokens
             self.journal_total -= oldest.journal_bytes
             dropped.append(oldest.job_id)

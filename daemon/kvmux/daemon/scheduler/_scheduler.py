@@ -348,9 +348,10 @@ class Scheduler(TurnLoop):
             )
         return [j.job_id for j in gone]
 
-    def cancel_all(self, reason: Exception) -> None:
+    def cancel_all(self, reason: Exception, *, transient_only: bool = False) -> None:
         for job in list(self.jobs.live.values()):
-            self._cancel_job(job, reason)
+            if job.transient or not transient_only:
+                self._cancel_job(job, reason)
 
     def _cancel_job(self, job: JobState, reason: Exception) -> None:
         # A cancelled job takes no more items: it finishes once those it has end.
