@@ -4,13 +4,14 @@
 #   2. start kvmuxd with configs/local.toml (it builds the built-in tiny model on first use),
 #   3. wait until it answers, show its status,
 #   4. submit examples/prompts.jsonl through the kvmux CLI and print the results,
-#   5. stop the daemon (SIGTERM), also when a step fails or on Ctrl-C.
+#   5. ask one chat completion of OpenAI's HTTP API the daemon serves beside its socket,
+#   6. stop the daemon (SIGTERM), also when a step fails or on Ctrl-C.
 #
 # examples/prompts.jsonl holds one item that deliberately exceeds its
 # max_context, so `kvmux submit` exits 2 ("some items failed"). This script
 # exits 0 when the run went as designed: every item ok except that one, which
-# failed with kv_capacity_exceeded. Anything else: the submit's exit status
-# (1 if the submit itself exited 0).
+# failed with kv_capacity_exceeded, and the HTTP request was answered. Anything
+# else: the submit's exit status (1 if the submit itself exited 0).
 #
 # Environment: PYTHON (default python3) makes the venv; KVMUX_QUICKSTART_DIR
 # keeps the daemon log and results (default: a new temporary folder).
@@ -36,8 +37,9 @@ daemon_log=$work/kvmuxd.log
 KVMUX_ENDPOINT=$("$py" -c 'from kvmux.client import daemon_default_endpoint as d; print(d())')
 export KVMUX_ENDPOINT
 
+# HTTP on a free port rather than the config's 8000, which something else may hold.
 echo "quickstart: starting kvmuxd --config configs/local.toml at $KVMUX_ENDPOINT (log: $daemon_log)"
-"$venv/bin/kvmuxd" --config configs/local.toml >"$daemon_log" 2>&1 &
+"$venv/bin/kvmuxd" --config configs/local.toml --http 127.0.0.1:0 >"$daemon_log" 2>&1 &
 daemon=$!
 
 stop_daemon() {
@@ -101,10 +103,34 @@ failed = {r["custom_id"]: r["error"]["code"] for r in rows if r["status"] != "ok
 print("yes" if failed == {"too-long-for-its-context": "kv_capacity_exceeded"} else "no")
 EOF
 )
+http_url=$("$kvmux" status --json | "$py" -c 'import json, sys; print(json.load(sys.stdin)["http_url"])')
 echo
-if [[ $rc -eq 2 && $expected == yes ]]; then
-    echo "quickstart: as designed: every item ok except the one over its max_context (kv_capacity_exceeded)"
+echo "quickstart: POST $http_url/v1/chat/completions (OpenAI's HTTP API; any openai SDK works)"
+answered=$("$py" - "$http_url" <<'EOF'
+import json
+import sys
+import urllib.request
+
+body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12}
+request = urllib.request.Request(
+    sys.argv[1] + "/v1/chat/completions",
+    data=json.dumps(body).encode(),
+    headers={"Content-Type": "application/json"},
+)
+with urllib.request.urlopen(request, timeout=30) as response:
+    reply = json.load(response)
+choice = reply["choices"][0]
+print(f"  {reply['object']} {reply['id']}: {reply['usage']['completion_tokens']} tokens, "
+      f"finish {choice['finish_reason']}: {choice['message']['content']!r}")
+EOF
+) || answered=""
+echo "${answered:-  no answer}"
+
+echo
+if [[ $rc -eq 2 && $expected == yes && -n $answered ]]; then
+    echo "quickstart: as designed: every item ok except the one over its max_context (kv_capacity_exceeded), and the HTTP API answered"
     exit 0
 fi
+
 echo "quickstart: unexpected outcome (kvmux submit exited $rc); daemon log: $daemon_log" >&2
 exit $((rc == 0 ? 1 : rc))

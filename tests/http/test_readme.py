@@ -1,0 +1,57 @@
+"""README's HTTP examples, run as written against a kvmuxd process (its address put in
+place of 127.0.0.1:8000, where the shipped config listens)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.bench_daemon import DaemonProcess
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+WRITTEN = "http://127.0.0.1:8000"
+
+
+def _blocks(language: str) -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## OpenAI's HTTP API") : text.index("## Install choices")]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+
+
+def test_the_readme_examples_point_at_the_shipped_configs_address() -> None:
+    assert all(WRITTEN in block for block in _blocks("python") + _blocks("sh"))
+    shipped = (README.parent / "configs" / "local.toml").read_text(encoding="utf-8")
+    assert 'listen = "127.0.0.1:8000"' in shipped
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> None:
+    code = _blocks("python")[index].replace(WRITTEN, daemon.http_url)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=README.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the README's shell examples use curl")
+def test_the_readme_curl_examples_run(daemon: DaemonProcess) -> None:
+    (script,) = _blocks("sh")
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script.replace(WRITTEN, daemon.http_url)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"chat.completion"' in done.stdout and "data: [DONE]" in done.stdout
+    assert '{"status":"ready"}' in done.stdout
