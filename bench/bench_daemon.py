@@ -98,6 +98,8 @@ class DaemonProcess:
     endpoint: str
     folder: Path
     config: dict[str, dict[str, object]]
+    # Where its HTTP front listens (as its status says once ready); "" if off.
+    http_url: str = ""
 
     @property
     def pid(self) -> int:
@@ -123,12 +125,6 @@ class DaemonProcess:
                     continue  # a line being written
                 if isinstance(event, dict) and (name is None or event.get("event") == name):
                     yield event
-
-    @property
-    def http_url(self) -> str:
-        """Where its HTTP front listens (the last start's, from its log); "" if off."""
-        started = list(self.events("http_listening"))
-        return str(started[-1]["url"]) if started else ""
 
     def stderr_tail(self, n: int = 4000) -> str:
         path = self.folder / "kvmuxd.err"
@@ -188,7 +184,9 @@ async def kvmuxd(
                 try:
                     async with Client(endpoint, timeout=1.0) as probe:
                         # The socket answers while the model loads; wait for ready.
-                        if (await probe.status()).state == "ready":
+                        status = await probe.status()
+                        if status.state == "ready":
+                            daemon.http_url = status.http_url
                             break
                 except DaemonUnreachable:
                     pass

@@ -4,10 +4,12 @@ leaves mid-stream, or before its answer, has its item cancelled and its KV freed
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from bench.bench_daemon import DaemonProcess
@@ -120,3 +122,31 @@ async def test_a_growth_failure_ends_its_stream_with_diagnostics_and_no_other(
             for i, body in enumerate(shorts):
                 alone = await sdk.completions.create(model=MODEL, **body)
                 assert streamed[i] == alone.choices[0].text
+
+
+async def test_a_reader_that_takes_nothing_is_dropped_after_send_timeout(
+    tiny_model: Path,
+) -> None:
+    with started(tiny_model, {"http": {"send_timeout": 1.0}}) as daemon:
+        host, port = daemon.http_url.removeprefix("http://").split(":")
+        # 32 choices' logprobs (~6 MB): more than the socket buffers between them hold.
+        ask = {**LONG, "max_tokens": 1000, "n": 32, "logprobs": 5, "stream": True}
+        body = msgspec.json.encode(ask)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        try:
+            await _busy(daemon)
+            # Decoding does not wait for the reader: the items end and their KV is freed
+            # (tokens not yet taken are merged, not queued one by one) ...
+            await _freed_within(daemon, 30.0)
+            # ... and a send that is not taken within http.send_timeout drops the stream.
+            with anyio.fail_after(10):
+                while not any(daemon.events("http_stream_dropped")):
+                    await anyio.sleep(0.1)
+        finally:
+            sock.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,7 @@ from kvmux.client.errors import Internal, KvmuxError, Overloaded, Unauthorized
 from kvmux.client.openai import RequestError, error_body, http_status, info_body
 
 from ..access import ANONYMOUS, Caller
-from ..budget import BYTE_SECONDS, Bucket
+from ..budget import Bucket
 
 if TYPE_CHECKING:
     from . import HttpFront
@@ -118,7 +117,6 @@ def guarded(
 
     async def run(request: Request) -> Response:
         front = front_of(request)
-        started = time.thread_time()
         caller: Caller | None = None
         bucket: Bucket | None = None
         try:
@@ -135,12 +133,11 @@ def guarded(
         except Exception as exc:  # noqa: BLE001 - translated; nothing escapes a request
             response = error_response(exc)
         if caller is not None:
+            # What handling it took is not measured here: the endpoint waits, and the
+            # loop runs everyone else meanwhile. Its bytes are what grows with it.
             sent = int(response.headers.get("content-length") or 0)
             received = int(request.headers.get("content-length") or 0)
-            cost = REQUEST_SECONDS + (sent + received) * BYTE_SECONDS
-            # The part that ran on the loop before the endpoint first waited.
-            cost += min(time.thread_time() - started, 0.05)
-            front.budget.charge(bucket, caller.owner, cost, 0)
+            front.budget.charge(bucket, caller.owner, REQUEST_SECONDS, sent + received)
         return response
 
     return run
