@@ -4,7 +4,10 @@ full queue; every refusal in OpenAI's error shape, and the daemon serving on."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -12,9 +15,10 @@ from typing import Any
 import anyio
 import pytest
 
+from bench.bench_daemon import toml_config
 from kvmux.client import Client, Item
 
-from .conftest import MODEL, httpx, started
+from .conftest import MODEL, free_port, http_tables, httpx, started
 
 pytestmark = pytest.mark.anyio
 
@@ -133,3 +137,40 @@ async def test_health_is_503_while_draining(tiny_model: Path) -> None:
             assert resp.status_code == 503 and resp.json() == {"status": "draining"}
             resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "y"})
             assert resp.status_code == 503 and "retry-after" in resp.headers
+
+
+def test_health_is_503_while_the_model_loads(tiny_model: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "kvmuxd.toml"
+    tables = http_tables({"server": {"endpoint": f"tcp://127.0.0.1:{free_port()}"}})
+    port = free_port()
+    tables["http"]["listen"] = f"127.0.0.1:{port}"
+    cfg.write_text(toml_config({"model": {"path": str(tiny_model)}, **tables}))
+    env = {**os.environ, "KVMUX_SLOW_FAILPOINTS": "daemon.load=3"}
+    with subprocess.Popen(
+        [sys.executable, "-m", "kvmux.daemon", "--config", str(cfg)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        try:
+            seen = []
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and 200 not in seen:
+                try:
+                    resp = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
+                except httpx.TransportError:
+                    time.sleep(0.05)
+                    continue
+                seen.append(resp.status_code)
+                if resp.status_code == 503:
+                    assert resp.json() == {"status": "loading"}
+                    ask = httpx.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        json={"model": MODEL, "prompt": "x"},
+                    )
+                    assert ask.status_code == 503 and "retry-after" in ask.headers
+                time.sleep(0.1)
+            assert seen[0] == 503 and seen[-1] == 200, seen
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)

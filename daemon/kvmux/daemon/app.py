@@ -47,6 +47,7 @@ from .service import Service
 from .worker import EngineWorker
 
 log = structlog.get_logger("kvmux.daemon")
+failpoints.register("daemon.load")
 
 try:
     DAEMON_VERSION = version("kvmux")
@@ -152,6 +153,7 @@ class Daemon:
         # Every failpoint is registered by now (the engine's and the scheduler's too).
         failpoints.arm_from_env()
         failpoints.slow_from_env()
+        failpoints.hit("daemon.load")  # tests slow it: what clients see while a model loads
         if cfg.model.path:
             folder = Path(cfg.model.path)
         else:
