@@ -186,6 +186,32 @@ async def _chunks(
     """The stream's Server-Sent Events: every turn's events in one write."""
     cid, created = completion_id(chat), int(time.time())
     choice = [item.choice for item in items]  # the job's item index -> OpenAI's choice
+
+    def piece(
+        index: int,
+        text: str | None = None,
+        *,
+        role: str | None = None,
+        finish: str | None = None,
+        logprobs: list[p.TokenLogprob] | None = None,
+    ) -> bytes:
+        if chat:
+            obj = chat_chunk(
+                cid,
+                created,
+                model,
+                index,
+                content=text,
+                role=role,
+                finish=finish,
+                logprobs=logprobs,
+            )
+        else:
+            obj = completion_chunk(
+                cid, created, model, index, text=text or "", finish=finish, logprobs=logprobs
+            )
+        return _sse(obj)
+
     done = False
     try:
         while True:
@@ -194,41 +220,13 @@ async def _chunks(
             for event in collector.take():
                 match event:
                     case p.ItemStarted(index=index) if chat:
-                        out += _sse(
-                            chat_chunk(
-                                cid, created, model, choice[index], role="assistant", content=""
-                            )
-                        )
+                        out += piece(choice[index], "", role="assistant")
                     case p.TokenDelta(index=index, text=text) if text:
-                        if chat:
-                            out += _sse(
-                                chat_chunk(cid, created, model, choice[index], content=text)
-                            )
-                        else:
-                            out += _sse(
-                                completion_chunk(cid, created, model, choice[index], text=text)
-                            )
+                        out += piece(choice[index], text)
                     case p.ItemFinished(result=result) if result.status == "ok":
-                        finish = result.finish_reason
-                        if chat:
-                            chunk = chat_chunk(
-                                cid,
-                                created,
-                                model,
-                                result.choice,
-                                finish=finish,
-                                logprobs=result.logprobs,
-                            )
-                        else:
-                            chunk = completion_chunk(
-                                cid,
-                                created,
-                                model,
-                                result.choice,
-                                finish=finish,
-                                logprobs=result.logprobs,
-                            )
-                        out += _sse(chunk)
+                        out += piece(
+                            result.choice, finish=result.finish_reason, logprobs=result.logprobs
+                        )
                     case p.ItemFinished(result=result):
                         # The SDK raises on an error event: the stream ends here.
                         assert result.error is not None

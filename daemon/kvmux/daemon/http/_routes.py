@@ -137,7 +137,6 @@ async def file_content(request: Request) -> Response:
     """The file's bytes, streamed a bounded chunk at a time."""
     front = front_of(request)
     record = front.files.find(request.path_params["file_id"], caller_of(request))
-    front.budget.charge(None, caller_of(request).owner, 0.0, record.bytes)
     return StreamingResponse(
         _iterate(front.files.content(record)),
         media_type="application/octet-stream",
