@@ -157,17 +157,17 @@ def test_health_is_503_while_the_model_loads(tiny_model: Path, tmp_path: Path) -
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and 200 not in seen:
                 try:
+                    ask = httpx.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                    )
                     resp = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
                 except httpx.TransportError:
                     time.sleep(0.05)
                     continue
                 seen.append(resp.status_code)
-                if resp.status_code == 503:
+                if resp.status_code == 503:  # still loading: so it was when asked
                     assert resp.json() == {"status": "loading"}
-                    ask = httpx.post(
-                        f"http://127.0.0.1:{port}/v1/completions",
-                        json={"model": MODEL, "prompt": "x"},
-                    )
                     assert ask.status_code == 503 and "retry-after" in ask.headers
                 time.sleep(0.1)
             assert seen[0] == 503 and seen[-1] == 200, seen
