@@ -1,9 +1,11 @@
-"""The ZeroMQ ROUTER socket: decode each request, dispatch it, answer with its id.
+"""The ZeroMQ ROUTER socket: decode each request, call the service, answer with its id.
 
-Every reply is queued to one sender task, so a request's reply always leaves
-before the events the scheduler produces after it. Errors are translated
-here, in one place: a typed error keeps its code and details; anything else
-is logged with its traceback and answered ``internal``.
+Replies and events are handed to libzmq in the order they are made, on the
+loop's thread (held in order behind a client's backlog when its pipe is
+full), so a request's reply always leaves before the events the scheduler
+produces after it. Errors are translated here, in one place: a typed error
+keeps its code and details; anything else is logged with its traceback and
+answered ``internal``.
 
 The socket is shared by people who do not trust each other, so nothing a
 client sends may end, stall or bloat the daemon:
@@ -199,7 +201,7 @@ class Server:
         self.dropped_frames = 0
         self.disconnected = 0
         self.lost_replies = 0
-        self.bytes_queued = 0  # every byte handed to the sender, for request costs
+        self.bytes_queued = 0  # every byte sent or held, for request costs
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self) -> None:
