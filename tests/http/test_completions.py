@@ -177,3 +177,13 @@ async def test_what_kvmux_cannot_do_is_refused_naming_the_parameter(sdk: Any) ->
     with pytest.raises(openai.BadRequestError) as info:
         await sdk.completions.create(model=MODEL, prompt="x", max_tokens=-3)
     assert info.value.param == "max_tokens"
+
+
+async def test_kvmux_status_shows_where_the_http_api_answers(daemon: DaemonProcess) -> None:
+    done = await anyio.run_process(
+        [sys.executable, "-m", "kvmux.client.cli", "status"],
+        env={**os.environ, "KVMUX_ENDPOINT": daemon.endpoint, "COLUMNS": "200"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert f"{daemon.http_url}/v1" in done.stdout.decode()

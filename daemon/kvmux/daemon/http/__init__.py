@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import structlog
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
@@ -72,6 +73,7 @@ class HttpFront:
         self.created = int(time.time())
         self._buckets: dict[Any, Bucket] = {}
         self._sock: socket.socket | None = None
+        self.server: uvicorn.Server | None = None
         self.url = ""
 
     # -- who is asking ------------------------------------------------------------------
@@ -146,7 +148,7 @@ class HttpFront:
         if self._sock is None:
             self.bind()
         assert self._sock is not None
-        server = make_server(build_app(self), self.cfg)
+        server = self.server = make_server(build_app(self), self.cfg)
         log.info("http_listening", url=self.url, api_keys=self.keys.enabled)
         await serve(server, self._sock, self.grace, task_status=task_status)
 

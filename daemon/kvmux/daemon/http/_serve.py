@@ -64,7 +64,10 @@ class TimedProtocol(HttpToolsProtocol):
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: any free one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP by name: asyncio turns Nagle off (TCP_NODELAY) only on sockets that
+    # say so, and connections inherit it from this one. With Nagle, a stream's
+    # second small write waited for the reader's delayed ACK: 40 ms a chunk.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
