@@ -73,7 +73,7 @@ def _no_daemons_left(setup: RaySetup) -> None:
 def _nodes(stderr: str) -> dict[str, int]:
     match = re.search(r"results by node: (.*)", stderr)
     assert match is not None, stderr
-    return {k: int(v) for k, v in (part.split(": ") for part in match[1].split(", "))}
+    return {node: int(n) for node, n in re.findall(r"(\w+): (\d+) from \d+ replica", match[1])}
 
 
 def test_two_replicas_on_two_nodes_give_one_daemons_results(
@@ -231,3 +231,21 @@ def test_a_config_kvmuxd_refuses_fails_before_ray_starts(
     assert "scheduler.max_active_sessions" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
     assert not out.exists()
+
+
+def test_a_replica_whose_kvmuxd_cannot_start_fails_the_run_with_its_log(
+    ray_setup: RaySetup, cluster: str, tmp_path: Path
+) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "prompt": "hi", "max_tokens": 2}\n')
+    missing = tmp_path / "no-model.toml"
+    missing.write_text(f'[model]\npath = "{tmp_path / "nowhere"}"\n')
+    out = tmp_path / "out.jsonl"
+    argv = kvmux_ray_argv("submit", str(src), "--out", str(out), "--replicas", "1")
+    failed = ray_setup.run(*argv, "--config", str(missing), "--address", cluster, timeout=120)
+    assert failed.returncode == 1, failed.stderr
+    assert "the run failed" in failed.stderr and "exited with status 78" in failed.stderr
+    assert "not a directory" in failed.stderr  # the daemon's own words, from its log
+    assert not out.exists()
+    _no_daemons_left(ray_setup)
+    assert not list(ray_setup.root.glob("kvmux-ray-*")), "a replica's folder was left"

@@ -164,20 +164,20 @@ class Daemon:
             proc = self.proc
             assert proc is not None
             if proc.poll() is not None:
-                raise DaemonFailed(
-                    f"kvmuxd exited with status {proc.returncode} at start:\n{self.log_tail()}"
-                )
+                failure = f"kvmuxd exited with status {proc.returncode} at start:\n"
+                failure += self.log_tail()
+                self.kill()
+                raise DaemonFailed(failure)
             with contextlib.suppress(DaemonUnreachable, TimeoutError):
                 async with Client(self.endpoint, timeout=1.0, name="kvmux-ray-probe") as probe:
                     # The socket answers while the model loads; jobs wait for ready.
                     if (await probe.status()).state == "ready":
                         return
             if time.monotonic() > deadline:
+                failure = f"kvmuxd did not become ready within {self.startup_timeout:g} s:\n"
+                failure += self.log_tail()
                 self.kill()
-                raise DaemonFailed(
-                    f"kvmuxd did not become ready within {self.startup_timeout:g} s:\n"
-                    f"{self.log_tail()}"
-                )
+                raise DaemonFailed(failure)
             await asyncio.sleep(0.05)
 
     def log_tail(self, n: int = 4000) -> str:

@@ -95,8 +95,13 @@ def build_processor(
         ds = ds.map_batches(
             KvmuxReplica,
             fn_constructor_kwargs=stage_kwargs,
+            # No batch waits in a replica's queue beyond those it runs: a batch
+            # goes to whichever replica has room, so a replica that started first
+            # (or runs faster) does not hoard the file.
             compute=ray.data.ActorPoolStrategy(
-                size=config.replicas, max_concurrent_calls_per_actor=BATCHES_IN_FLIGHT
+                size=config.replicas,
+                max_concurrent_calls_per_actor=BATCHES_IN_FLIGHT,
+                max_tasks_in_flight_per_actor=BATCHES_IN_FLIGHT,
             ),
             batch_size=config.batch_size,
             batch_format="pyarrow",
@@ -104,6 +109,10 @@ def build_processor(
         )
         if postprocess is not None:
             ds = ds.map(postprocess)
+        # Batches go out once every replica is up, not to the first one that is: a
+        # replica a second ahead would take the first several batches of the file.
+        # A cluster that cannot place the pool says so after this long, not never.
+        ds.context.wait_for_min_actors_s = math.ceil(config.startup_timeout) + 60
         return ds
 
     return process

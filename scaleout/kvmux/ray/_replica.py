@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any
 
 import msgspec
@@ -73,6 +74,7 @@ class KvmuxReplica:
         self.format: Format = format
         self.max_restarts = max_restarts
         self.node = _node_id()
+        self.replica = f"{self.node[:12]}:{os.getpid()}"
         self._daemon = Daemon(
             config, threads=threads, gpu=gpu, root=tmp_dir, startup_timeout=startup_timeout
         )
@@ -246,6 +248,7 @@ class KvmuxReplica:
                 columns["tokens"].append(sum(r.usage.completion_tokens for r in one if r.usage))
                 columns["output"].append(data.rstrip(b"\n").decode())
                 columns["node"].append(self.node)
+                columns["replica"].append(self.replica)
         return columns
 
 

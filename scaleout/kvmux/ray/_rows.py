@@ -17,7 +17,8 @@ without a ``custom_id`` is named after it. Out, one row per result line
 ``kvmux submit`` would write (one per choice in kvmux's format, one per
 line in OpenAI's): ``custom_id``, ``line``, ``choice``, ``ok``, ``tokens``
 (completion tokens), ``output`` (the result line's JSON, exactly as
-``kvmux submit`` writes it) and ``node`` (the Ray node that ran it).
+``kvmux submit`` writes it), ``node`` (the Ray node that ran it) and
+``replica`` (which actor there: node and process id).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvmux.client import protocol as p
 
 from ._formats import LineError, parse_line
 
-OUTPUT_COLUMNS = ("custom_id", "line", "choice", "ok", "tokens", "output", "node")
+OUTPUT_COLUMNS = ("custom_id", "line", "choice", "ok", "tokens", "output", "node", "replica")
 
 _items = msgspec.msgpack.Encoder()
 _decode_items = msgspec.msgpack.Decoder(list[p.Item])

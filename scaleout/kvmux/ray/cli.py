@@ -174,6 +174,7 @@ def _run(
     reporter.start(f"ray x{config.replicas}", total)
     written: set[tuple[str, int, int]] = set()
     nodes: collections.Counter[str] = collections.Counter()
+    replicas: dict[str, set[str]] = collections.defaultdict(set)
     duplicates = 0
     try:
         for block in process(batch.dataset).iter_batches(batch_format="pyarrow", batch_size=None):
@@ -185,6 +186,7 @@ def _run(
                 written.add(key)
                 _write(outputs, row)
                 nodes[row["node"]] += 1
+                replicas[row["node"]].add(row["replica"])
                 reporter.tokens(row["tokens"])
                 reporter.item(row["ok"], None if row["ok"] else _failure(row))
     except KeyboardInterrupt:
@@ -202,7 +204,10 @@ def _run(
         reporter.note(f"{duplicates} result(s) of batches Ray ran twice were dropped")
     if batch.skipped:
         reporter.note(f"--resume: {batch.skipped} line(s) had results already")
-    spread = ", ".join(f"{node[:12]}: {n}" for node, n in sorted(nodes.items()))
+    spread = ", ".join(
+        f"{node[:12]}: {n} from {len(replicas[node])} replica(s)"
+        for node, n in sorted(nodes.items())
+    )
     reporter.note(f"results by node: {spread}")
     reporter.note(f"{reporter.tally.summary()}; results in {args.out}")
     return ITEMS_FAILED if reporter.tally.failed else OK
