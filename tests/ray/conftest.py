@@ -7,6 +7,7 @@ the ``ray`` extra is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,8 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
 
+from bench.bench_daemon import kvmuxd
 from kvmux.daemon.config import toml_config
 
 from ..cli.conftest import cli_env, kvmux_argv
@@ -168,8 +172,10 @@ class RaySetup:
             stdin=subprocess.DEVNULL,
         )
 
-    def popen(self, *argv: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
+    @contextlib.contextmanager
+    def running(self, *argv: str) -> Iterator[subprocess.Popen[str]]:
+        """``argv`` as a process for the block, pipes captured; killed if it outlives it."""
+        proc = subprocess.Popen(
             list(argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -177,6 +183,12 @@ class RaySetup:
             env=self.env(),
             stdin=subprocess.DEVNULL,
         )
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -205,40 +217,18 @@ def reference(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, dict[tuple[str, int], dict[str, Any]]]:
     """The batch file, and ``kvmux submit``'s results for it against one kvmuxd."""
-    folder = Path(tempfile.mkdtemp(prefix="kvx-ref-", dir="/tmp"))
     src = write_batch(tmp_path_factory.mktemp("batch") / "in.jsonl")
     out = src.with_name("reference.jsonl")
-    tables = daemon_tables(tiny_model)
-    endpoint = f"ipc://{folder}/kvmuxd.sock"
-    tables["server"] = {"endpoint": endpoint}
-    tables["jobs"] = {"journal": ""}
-    config = folder / "kvmuxd.toml"
-    config.write_text(toml_config(tables))
-    with (
-        (folder / "kvmuxd.log").open("wb") as log,
-        subprocess.Popen(
-            [sys.executable, "-m", "kvmux.daemon", "--config", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        ) as proc,
-    ):
-        try:
-            env = cli_env(endpoint)
-            ready = subprocess.run(
-                kvmux_argv("status", "--wait", "60"), env=env, capture_output=True, timeout=90
+
+    async def submit() -> subprocess.CompletedProcess[str]:
+        async with kvmuxd(tiny_model, threads=1, tables=daemon_tables(tiny_model)) as daemon:
+            argv = kvmux_argv("submit", str(src), "--out", str(out), "-q")
+            return await anyio.to_thread.run_sync(
+                lambda: subprocess.run(
+                    argv, env=cli_env(daemon.endpoint), capture_output=True, text=True, timeout=180
+                )
             )
-            assert ready.returncode == 0, ready.stderr
-            done = subprocess.run(
-                kvmux_argv("submit", str(src), "--out", str(out), "-q"),
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
-            assert done.returncode == 2, done.stderr  # the refused and the capped line
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
-            shutil.rmtree(folder, ignore_errors=True)
+
+    done = anyio.run(submit)
+    assert done.returncode == 2, done.stderr  # the refused and the capped line
     return src, results(out)

@@ -99,8 +99,8 @@ def test_a_killed_replica_loses_nothing(
     restarts the actor and reruns its batches): every line once, the same tokens."""
     src, want = reference
     out = tmp_path / "out.jsonl"
-    run = ray_setup.popen(*ray_setup.submit(src, out, "--replicas", "2", "--address", cluster))
-    try:
+    argv = ray_setup.submit(src, out, "--replicas", "2", "--address", cluster)
+    with ray_setup.running(*argv) as run:
         _wait(
             "a tenth of the results", lambda: _lines(out) >= LINES // 10 or run.poll() is not None
         )
@@ -113,10 +113,6 @@ def test_a_killed_replica_loses_nothing(
         # A new daemon: the killed one's work had not run out, and it runs again.
         _wait("a new kvmuxd", lambda: bool(kvmuxd_pids(ray_setup.root) - daemons))
         _, stderr = run.communicate(timeout=240)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert run.returncode == 2, stderr
     assert _lines(out) == len(want)
     assert_same_results(results(out), want)
@@ -130,16 +126,11 @@ def test_ctrl_c_then_resume_runs_only_the_missing_lines(
     replicas and their daemons, and leaves whole lines; --resume runs the rest."""
     src, want = reference
     out = tmp_path / "out.jsonl"
-    local = ray_setup.popen(*ray_setup.submit(src, out, "--replicas", "2"))
-    try:
+    with ray_setup.running(*ray_setup.submit(src, out, "--replicas", "2")) as local:
         _wait("some results", lambda: _lines(out) >= LINES // 10 or local.poll() is not None)
         assert local.poll() is None, local.communicate()
         local.send_signal(signal.SIGINT)
         _, stderr = local.communicate(timeout=120)
-    finally:
-        if local.poll() is None:
-            local.kill()
-            local.communicate()
     assert local.returncode == 130, stderr
     _no_daemons_left(ray_setup)
     first = [json.loads(raw) for raw in out.read_text().splitlines()]  # whole lines only
