@@ -124,6 +124,8 @@ def run_command(
     ``replicas`` (where their daemons' folders appear, and how many), when they are all
     ready."""
     run = Run(name)
+    # A file left by an earlier repeat would be read as this run's results.
+    out.unlink(missing_ok=True)
     stop = threading.Event()
     started = time.perf_counter()
     ready: list[float | None] = []

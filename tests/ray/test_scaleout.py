@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from kvmux.daemon.config import toml_config
+
 pytest.importorskip(
     "ray.data", reason="kvmux.ray needs the [ray] extra: pip install -e '.[cpu,test,ray]'"
 )
@@ -28,6 +30,7 @@ from .conftest import (
     LINES,
     RaySetup,
     assert_same_results,
+    daemon_tables,
     kvmux_ray_argv,
     kvmuxd_pids,
     parent_pid,
@@ -240,3 +243,29 @@ def test_a_replica_whose_kvmuxd_cannot_start_fails_the_run_with_its_log(
     assert not out.exists()
     _no_daemons_left(ray_setup)
     assert not list(ray_setup.root.glob("kvmux-ray-*")), "a replica's folder was left"
+
+
+def test_a_line_too_big_for_the_daemons_messages_is_its_own_error(
+    ray_setup: RaySetup, cluster: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The client refuses to send an item over ``server.max_message_bytes``: that
+    refusal is the line's result (once, whatever its ``n``), and the batch goes on."""
+    tables = daemon_tables(tiny_model)
+    tables["server"] = {"max_message_bytes": 4096}
+    config = tmp_path / "small-messages.toml"
+    config.write_text(toml_config(tables))
+    src = tmp_path / "in.jsonl"
+    lines = [{"custom_id": f"s{i}", "prompt": f"short {i}", "max_tokens": 3} for i in range(5)]
+    lines.insert(2, {"custom_id": "big", "prompt": "x" * 6000, "max_tokens": 3, "n": 2})
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    argv = kvmux_ray_argv("submit", str(src), "--out", str(out), "--replicas", "1")
+    done = ray_setup.run(*argv, "--config", str(config), "--address", cluster, timeout=120)
+    assert done.returncode == 2, done.stderr
+    got = results(out)
+    assert sorted(got) == sorted([("big", 0)] + [(f"s{i}", 0) for i in range(5)])
+    big = got[("big", 0)]
+    assert big["status"] == "error" and big["line"] == 3
+    assert "max_message_bytes" in big["error"]["message"]
+    assert all(got[(f"s{i}", 0)]["status"] == "ok" for i in range(5))
+    _no_daemons_left(ray_setup)

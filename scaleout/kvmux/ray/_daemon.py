@@ -215,7 +215,10 @@ async def exited(proc: subprocess.Popen[bytes]) -> int:
     if proc.poll() is not None:
         return proc.returncode
     # A pidfd becomes readable when the process ends: no thread, no polling.
-    fd = os.pidfd_open(proc.pid)
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:  # it ended, and was reaped, since the poll above
+        return proc.wait()
     loop = asyncio.get_running_loop()
     ended: asyncio.Future[None] = loop.create_future()
 

@@ -13,6 +13,7 @@ from kvmux.client.cli.results import (
     Outputs,
     ResultSink,
     done_ids,
+    is_rejected,
     open_outputs,
     resolve_format,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "Outputs",
     "ResultSink",
     "done_ids",
+    "is_rejected",
     "open_outputs",
     "parse_line",
     "resolve_format",

@@ -14,7 +14,7 @@ from kvmux.client import Client, DaemonUnreachable, NotReady, ShuttingDown
 from kvmux.client import protocol as p
 
 from ._daemon import Daemon, DaemonFailed, exited
-from ._formats import Format, ResultSink
+from ._formats import Format, ResultSink, is_rejected
 from ._rows import OUTPUT_COLUMNS, Entry, entry
 
 # Errors that end items because their daemon stopped, not because of what they asked:
@@ -91,6 +91,11 @@ class KvmuxReplica:
             daemon.stop()
 
     async def __call__(self, batch: Any) -> dict[str, list[Any]]:
+        if not hasattr(batch, "to_pylist"):
+            raise TypeError(
+                f"KvmuxReplica takes pyarrow batches (map_batches(..., batch_format="
+                f'"pyarrow")), got {type(batch).__name__}'
+            )
         rows: list[dict[str, Any]] = batch.to_pylist()
         entries = [entry(row) for row in rows]
         # Sent under the row's position in this batch as its line, each result
@@ -154,7 +159,7 @@ class KvmuxReplica:
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError, *_LOST):
                 await work
-            lost = _Lost(f"kvmuxd exited with status {proc.returncode}")
+            lost = _Lost(f"kvmuxd {self._daemon.describe_exit()}")
         else:
             lost = work.exception()
             if lost is not None and not isinstance(lost, _LOST):
@@ -170,6 +175,14 @@ class KvmuxReplica:
                 stopped += 1
             else:
                 done[(r.line or 0, r.choice)] = r
+        if lost is None:
+            # A line the client would not send (an item over the daemon's message
+            # size) comes back once, as its first choice: that refusal is every
+            # choice's result, or the line would be sent again forever.
+            refused = {r.line: r for r in results if is_rejected(r)}
+            for it in todo:
+                if it.line in refused:
+                    done.setdefault((it.line or 0, it.choice), refused[it.line])
         if lost is not None:
             raise _Lost(str(lost)) from lost
         if stopped:
@@ -236,7 +249,10 @@ class KvmuxReplica:
                     r = results[(k + 1, item.choice)]
                     index = r.index if e.index is None else e.index + n
                     got.append(msgspec.structs.replace(r, line=e.line, index=index))
-                    sink.result(got[-1])
+                if is_rejected(got[0]):
+                    got = got[:1]  # one refusal for the line, as for a line that did not parse
+                for r in got:
+                    sink.result(r)
             written = lines[start:]
             for j, (data, ok) in enumerate(written):
                 # kvmux's format writes a line per result; OpenAI's one per input line.
