@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -268,4 +269,35 @@ def test_a_line_too_big_for_the_daemons_messages_is_its_own_error(
     assert big["status"] == "error" and big["line"] == 3
     assert "max_message_bytes" in big["error"]["message"]
     assert all(got[(f"s{i}", 0)]["status"] == "ok" for i in range(5))
+    _no_daemons_left(ray_setup)
+
+
+def test_a_growth_failure_is_its_lines_result_never_a_retry(
+    ray_setup: RaySetup, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The replica's kvmuxd fails one KV growth (a failpoint armed through the
+    environment its local Ray hands down): that line's result is the
+    ``kv_growth_failed`` error, written once, and every other line is ok."""
+    tables = daemon_tables(tiny_model)
+    tables["scheduler"]["on_growth_failure"] = "fail"
+    config = tmp_path / "fail.toml"
+    config.write_text(toml_config(tables))
+    src = tmp_path / "in.jsonl"
+    lines = [
+        {"custom_id": f"g{i}", "prompt": f"grow {i}", "max_tokens": 40, "ignore_eos": True}
+        for i in range(12)
+    ]
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    argv = kvmux_ray_argv("submit", str(src), "--out", str(out), "--replicas", "1")
+    env = ray_setup.env() | {"KVMUX_FAILPOINTS": "kv.copy_prefix=1"}
+    done = subprocess.run(
+        [*argv, "--config", str(config)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 2, done.stderr
+    got = results(out)  # each key once
+    assert sorted(got) == sorted((f"g{i}", 0) for i in range(12))
+    failed = [r for r in got.values() if r["status"] != "ok"]
+    assert [r["error"]["code"] for r in failed] == ["kv_growth_failed"]
+    assert failed[0]["error"]["details"]["cause"]
     _no_daemons_left(ray_setup)
