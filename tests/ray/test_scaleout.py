@@ -27,6 +27,7 @@ pytest.importorskip(
     "ray.data", reason="kvmux.ray needs the [ray] extra: pip install -e '.[cpu,test,ray]'"
 )
 
+from ..cli.conftest import kvmux_argv
 from .conftest import (
     LINES,
     RaySetup,
@@ -301,3 +302,20 @@ def test_a_growth_failure_is_its_lines_result_never_a_retry(
     assert [r["error"]["code"] for r in failed] == ["kv_growth_failed"]
     assert failed[0]["error"]["details"]["cause"]
     _no_daemons_left(ray_setup)
+
+
+def test_a_file_of_refused_lines_is_written_as_kvmux_submit_writes_it(
+    ray_setup: RaySetup, cluster: str, tmp_path: Path
+) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "prompt": "x", "max_tokens": -1}\n[1, 2]\n')
+    ours, theirs = tmp_path / "ray.jsonl", tmp_path / "submit.jsonl"
+    argv = kvmux_ray_argv("submit", str(src), "--out", str(ours), "--replicas", "2")
+    done = ray_setup.run(*argv, "--address", cluster, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "no line of" in done.stderr
+    # kvmux submit refuses such a file before it looks for a daemon.
+    reference = ray_setup.run(*kvmux_argv("submit", str(src), "--out", str(theirs), "-q"))
+    assert reference.returncode == 1, reference.stderr
+    assert ours.read_text() == theirs.read_text()
+    assert not kvmuxd_pids(ray_setup.root)

@@ -28,6 +28,7 @@ from kvmux.daemon.config import ConfigError
 
 from ._formats import Outputs, done_ids, open_outputs, resolve_format
 from ._processor import ProcessorConfig, build_processor
+from ._rows import entry
 
 # Enough object store for a big file's rows and results in flight; Ray spills past it.
 _OBJECT_STORE_BYTES = 512 << 20
@@ -169,6 +170,16 @@ def _run(
         raise CliError(f"{args.file} holds no items (every line is blank)")
     fmt = resolve_format(args.format, batch.openai)
     outputs = open_outputs(fmt, args.out, args.errors, None, resume=args.resume)
+    if not batch.items:
+        # As kvmux submit: each line's reason, and no replica started for nothing.
+        for row in batch.dataset.iter_rows():
+            refused = entry(row).refused
+            assert refused is not None
+            outputs.sink.refused(refused)
+            reporter.note(failure_label(refused.custom_id, refused.to_info(), line=refused.line))
+        outputs.finish()
+        reporter.note(f"no line of {args.file} is a valid item: nothing ran")
+        return COULD_NOT_RUN
     process = build_processor(dataclasses.replace(config, format=fmt))
     total = batch.items + batch.refused if fmt == "kvmux" else batch.rows
     reporter.start(f"ray x{config.replicas}", total)
