@@ -6,6 +6,8 @@ prompts, ``--tokens`` new tokens each, ``ignore_eos``) and the same kvmuxd
 config (the built-in ``small`` model, ``model.intra_op_threads = 1``):
 
 - **submit**: ``kvmux submit FILE --out OUT`` to one ``kvmuxd`` subprocess;
+- **submit x2**: two ``kvmuxd`` and two ``kvmux submit`` at once, half the
+  lines each (``kvmuxd@N`` units by hand): the machine's ceiling for two;
 - **ray xN**: ``kvmux-ray submit FILE --out OUT --replicas N
   --cpus-per-replica 1 --address ADDR``, N = 1 and 2, on a local Ray this
   script starts once (``ray.init(num_cpus=2)``) so no side pays Ray's start.
@@ -190,6 +192,39 @@ async def _submit(model: Path, src: Path, work: Path, env: dict[str, str]) -> Ru
         return await anyio.to_thread.run_sync(lambda: run_command("submit", argv, out, env))
 
 
+async def _submit_pair(model: Path, src: Path, work: Path, env: dict[str, str]) -> Run:
+    """Two kvmuxd, two ``kvmux submit`` at once, half the lines each: what two daemons
+    give on this machine without Ray (``kvmuxd@N`` units), the ceiling for ray x2."""
+    lines = src.read_text().splitlines(keepends=True)
+    halves = [work / "half0.jsonl", work / "half1.jsonl"]
+    for k, half in enumerate(halves):
+        half.write_text("".join(lines[k::2]))
+    runs: list[Run] = []
+
+    async def one(k: int, endpoint: str) -> None:
+        out = work / f"pair{k}.jsonl"
+        argv = [sys.executable, "-m", "kvmux.client.cli", "submit", str(halves[k])]
+        argv += ["--out", str(out), "--endpoint", endpoint, "-q"]
+        done = await anyio.to_thread.run_sync(lambda: run_command(f"half {k}", argv, out, env))
+        runs.append(done)
+
+    async with (
+        kvmuxd(model, threads=1, tables=TABLES) as a,
+        kvmuxd(model, threads=1, tables=TABLES) as b,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(one, 0, a.endpoint)
+        tg.start_soon(one, 1, b.endpoint)
+    both = Run("submit x2", wall=max(r.wall for r in runs))
+    results = (pair for r in runs for pair in zip(r.stamps, r.tokens, strict=True))
+    for stamp, tokens in sorted(results):
+        both.stamps.append(stamp)
+        both.tokens.append(tokens)
+    for r in runs:
+        both.token_ids.update(r.token_ids)
+    return both
+
+
 def _ray(n: int, config: Path, src: Path, work: Path, address: str, env: dict[str, str]) -> Run:
     out = work / f"ray{n}.jsonl"
     argv = [sys.executable, "-m", "kvmux.ray", "submit", str(src), "--out", str(out)]
@@ -230,13 +265,15 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20)
     address = ray.get_runtime_context().gcs_address
     env = {k: v for k, v in os.environ.items() if k != "KVMUX_ENDPOINT"}
-    sides = ["submit", "ray x1", "ray x2"]
+    sides = ["submit", "submit x2", "ray x1", "ray x2"]
     runs: dict[str, list[Run]] = {name: [] for name in sides}
     try:
         for r in range(repeats):
-            for name in sides[r % 3 :] + sides[: r % 3]:
+            for name in sides[r % len(sides) :] + sides[: r % len(sides)]:
                 if name == "submit":
                     one = anyio.run(_submit, model, src, work, env)
+                elif name == "submit x2":
+                    one = anyio.run(_submit_pair, model, src, work, env)
                 else:
                     one = _ray(int(name[-1]), config, src, work, address, env)
                 runs[name].append(one)
@@ -252,13 +289,15 @@ def main() -> None:
     median = {name: statistics.median(r.rate() for r in done) for name, done in runs.items()}
     scale = median["ray x2"] / median["ray x1"]
     overhead = median["ray x1"] / median["submit"]
+    ceiling = median["submit x2"] / median["submit"]
     print(f"\n{lines} lines x {args.tokens} tokens, {args.model}, 1 thread per daemon")
-    print(f"{'side':<8} {'tok/s':>8} {'wall s':>8} {'ready s':>8}")
+    print(f"{'side':<10} {'tok/s':>8} {'wall s':>8} {'ready s':>8}")
     for name, done in runs.items():
         wall = statistics.median(r.wall for r in done)
         ready = statistics.median(r.ready for r in done)
-        print(f"{name:<8} {median[name]:>8,.0f} {wall:>8.1f} {ready:>8.1f}")
+        print(f"{name:<10} {median[name]:>8,.0f} {wall:>8.1f} {ready:>8.1f}")
     print(f"ray x2 / ray x1: {scale:.2f}x (goal >= 1.7)")
+    print(f"submit x2 / submit: {ceiling:.2f}x (two daemons without Ray: this machine's ceiling)")
     print(f"ray x1 / submit: {overhead:.2f} (goal >= 0.90: Ray costs {1 - overhead:.1%})")
     payload = {
         "lines": lines,
@@ -269,6 +308,7 @@ def main() -> None:
         "runs": {name: [r.summary() for r in done] for name, done in runs.items()},
         "ratio_2_over_1": round(scale, 3),
         "ratio_1_over_submit": round(overhead, 3),
+        "ratio_submit2_over_submit": round(ceiling, 3),
     }
     print(f"written to {write_json('ray', payload)}")
 
