@@ -296,6 +296,12 @@ def main() -> None:
         wall = statistics.median(r.wall for r in done)
         ready = statistics.median(r.ready for r in done)
         print(f"{name:<10} {median[name]:>8,.0f} {wall:>8.1f} {ready:>8.1f}")
+    # Per repeat too: the sides of one repeat ran minutes apart at most, so others'
+    # load on a shared machine moves both alike.
+    paired = [b.rate() / a.rate() for a, b in zip(runs["ray x1"], runs["ray x2"], strict=True)]
+    of_hand = [b.rate() / a.rate() for a, b in zip(runs["submit x2"], runs["ray x2"], strict=True)]
+    print(f"ray x2 / ray x1 by repeat: {', '.join(f'{x:.2f}' for x in paired)}")
+    print(f"ray x2 / submit x2 by repeat: {', '.join(f'{x:.2f}' for x in of_hand)}")
     print(f"ray x2 / ray x1: {scale:.2f}x (goal >= 1.7)")
     print(f"submit x2 / submit: {ceiling:.2f}x (two daemons without Ray: this machine's ceiling)")
     print(f"ray x1 / submit: {overhead:.2f} (goal >= 0.90: Ray costs {1 - overhead:.1%})")
@@ -309,6 +315,8 @@ def main() -> None:
         "ratio_2_over_1": round(scale, 3),
         "ratio_1_over_submit": round(overhead, 3),
         "ratio_submit2_over_submit": round(ceiling, 3),
+        "ratio_2_over_1_by_repeat": [round(x, 3) for x in paired],
+        "ratio_ray2_over_submit2_by_repeat": [round(x, 3) for x in of_hand],
     }
     print(f"written to {write_json('ray', payload)}")
 
