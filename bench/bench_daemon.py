@@ -46,6 +46,7 @@ import numpy as np
 from bench.common import builtin, write_json
 from kvmux.client import Client, DaemonUnreachable, Item
 from kvmux.client import protocol as p
+from kvmux.daemon.config import toml_config
 from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
 from kvmux.kv import capacity_bucket
 
@@ -53,27 +54,6 @@ MIN_BUCKET = 256
 PROMPT_LEN = 16
 
 # -- kvmuxd as a subprocess ------------------------------------------------------------
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string for what configs hold
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as a TOML config value")
-
-
-def toml_config(tables: Mapping[str, Mapping[str, object]]) -> str:
-    """A kvmuxd config file's text from ``{table: {key: value}}`` (flat tables only)."""
-    lines: list[str] = []
-    for table, values in tables.items():
-        lines.append(f"[{table}]")
-        lines.extend(f"{key} = {_toml_value(v)}" for key, v in values.items())
-    return "\n".join(lines) + "\n"
 
 
 def rss_bytes(pid: int) -> int:

@@ -93,8 +93,7 @@ def test_a_hybrid_model_is_refused_naming_its_state(
 def test_kvmuxd_refuses_it_at_start_with_the_reason(
     matrix_exports: dict[tuple[str, str], m.Export], tmp_path: Path
 ) -> None:
-    from bench.bench_daemon import toml_config
-    from kvmux.daemon.config import EX_CONFIG
+    from kvmux.daemon.config import EX_CONFIG, toml_config
 
     cfg = tmp_path / "kvmuxd.toml"
     folder = matrix_exports[("qwen2", "fp16")].folder

@@ -13,8 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from bench.bench_daemon import toml_config
-from kvmux.daemon.config import EX_CONFIG
+from kvmux.daemon.config import EX_CONFIG, toml_config
 from kvmux.daemon.http.keys import new_key
 
 from .conftest import MODEL, httpx, openai, started

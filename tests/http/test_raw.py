@@ -15,8 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
-from bench.bench_daemon import toml_config
 from kvmux.client import Client, Item
+from kvmux.daemon.config import toml_config
 
 from .conftest import MODEL, free_port, http_tables, httpx, started
 

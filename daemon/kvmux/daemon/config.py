@@ -11,8 +11,10 @@ on it, which the systemd unit lists in ``RestartPreventExitStatus``.
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -36,6 +38,7 @@ __all__ = [
     "load_config",
     "owner_queue_share",
     "parse_config",
+    "toml_config",
     "with_endpoint",
     "with_http",
 ]
@@ -280,6 +283,29 @@ def with_http(cfg: Config, listen: str, *, source: str = "--http") -> Config:
     replaced = msgspec.structs.replace(cfg, http=msgspec.structs.replace(cfg.http, listen=listen))
     _check(replaced, source)
     return replaced
+
+
+def toml_config(tables: Mapping[str, Mapping[str, object]]) -> str:
+    """A config file's text from ``{table: {key: value}}``: every kvmuxd table is flat,
+    so this is all a program that writes configs for kvmuxd needs (no TOML writer in
+    the standard library)."""
+    lines: list[str] = []
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        lines.extend(f"{key} = {_toml_value(v)}" for key, v in values.items())
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string for what configs hold
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as a TOML config value")
 
 
 _AT_PATH = re.compile(r"^(?P<message>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
