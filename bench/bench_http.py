@@ -4,8 +4,8 @@ Measured in one run, alternating the sides each repeat so drift hits both alike:
 
 - **streams**: N = 1, 16, 64 concurrent streaming chat requests through the real
   ``openai`` SDK (``AsyncOpenAI``), against the same N items (the same chat
-  messages, greedy, the same ``max_tokens``) as one job through
-  :class:`kvmux.client.Client`, streaming its events. Aggregate completion
+  messages, greedy, the same ``max_tokens``) as N one-item jobs submitted at
+  once through one :class:`kvmux.client.Client`, streaming their events. Aggregate completion
   tokens/s, and time to first token (the first content chunk / the first token
   event) p50 and p90; tokens checked equal (the text each side streamed).
 - **batch**: one file of chat lines (default 20,000) through ``/v1/files`` +
@@ -16,7 +16,7 @@ Measured in one run, alternating the sides each repeat so drift hits both alike:
   client's latency, and how soon the daemon closes them (``http.header_timeout``).
 
 Usage: python -m bench.bench_http [--quick] [--sizes 1,16,64] [--tokens T]
-[--repeats R] [--lines L] [--idle N]
+[--repeats R] [--lines L] [--idle N] [--only streams,batch,idle]
 """
 
 from __future__ import annotations
@@ -105,28 +105,36 @@ async def via_sdk(url: str, n: int, tokens: int) -> dict[str, Any]:
 
 
 async def via_kvmux(endpoint: str, n: int, tokens: int) -> dict[str, Any]:
-    """The same N items as one job through the kvmux client, streaming its events."""
-    items = [
-        Item(
-            custom_id=str(i),
-            messages=[p.ChatMessage(**m) for m in messages(i)],
-            max_new_tokens=tokens,
-            temperature=0,
-        )
-        for i in range(n)
-    ]
+    """The same N items through the kvmux client: N jobs of one item submitted at once
+    over one connection (arriving as the N HTTP requests do), streaming their events."""
     ttft: list[float] = []
-    texts: dict[int, str] = {i: "" for i in range(n)}
+    texts: dict[int, str] = {}
     count = 0
     async with Client(endpoint, timeout=60.0) as client:
         t0 = time.perf_counter()
-        job = await client.submit(items)
-        async for event in job.events():
-            if isinstance(event, p.TokenDelta):
-                if event.text and not texts[event.index]:
-                    ttft.append(time.perf_counter() - t0)
-                texts[event.index] += event.text
-                count += len(event.token_ids)
+
+        async def one(i: int) -> None:
+            nonlocal count
+            item = Item(
+                custom_id=str(i),
+                messages=[p.ChatMessage(**m) for m in messages(i)],
+                max_new_tokens=tokens,
+                temperature=0,
+            )
+            started = time.perf_counter()
+            text = ""
+            job = await client.submit([item])
+            async for event in job.events():
+                if isinstance(event, p.TokenDelta):
+                    if event.text and not text:
+                        ttft.append(time.perf_counter() - started)
+                    text += event.text
+                    count += len(event.token_ids)
+            texts[i] = text
+
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(one, i)
         wall = time.perf_counter() - t0
     return {"wall": wall, "tokens": count, "ttft": ttft, "texts": texts}
 
@@ -301,9 +309,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = builtin(MODEL)
     out: dict[str, Any] = {"model": MODEL, "threads": args.threads}
     async with kvmuxd(model, threads=args.threads, tables=tables()) as daemon:
-        out["streams"] = await streams(daemon, args.sizes, args.tokens, args.repeats)
-        out["batch"] = await batches(daemon, args.lines, max(1, args.repeats // 2))
-        out["idle"] = await idle(daemon, args.idle)
+        if "streams" in args.only:
+            out["streams"] = await streams(daemon, args.sizes, args.tokens, args.repeats)
+        if "batch" in args.only:
+            out["batch"] = await batches(daemon, args.lines, max(1, args.repeats // 2))
+        if "idle" in args.only:
+            out["idle"] = await idle(daemon, args.idle)
     return out
 
 
@@ -316,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lines", type=int, default=0, help="batch lines (default 20000)")
     parser.add_argument("--idle", type=int, default=1000, help="idle connections")
     parser.add_argument("--threads", type=int, default=1, help="the daemon's intra-op threads")
+    parser.add_argument("--only", default="streams,batch,idle", help="which parts to run")
     args = parser.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.repeats = args.repeats or (2 if args.quick else 4)
