@@ -226,11 +226,14 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 
 
 class Usage(msgspec.Struct, frozen=True):
-    """Token counts of one finished item."""
+    """Token counts of one finished item; ``cached_tokens`` of its prompt tokens were
+    copied from the prefix cache instead of prefilled (OpenAI's
+    ``prompt_tokens_details.cached_tokens``)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -325,6 +328,28 @@ class GrowthStats(msgspec.Struct, frozen=True):
     preemptions: int = 0
 
 
+class PrefixCacheStats(msgspec.Struct, frozen=True):
+    """The prefix cache: its settings, what it keeps now, and its tallies since start.
+
+    ``hit_tokens`` of the ``prompt_tokens`` looked up were copied instead of
+    prefilled; ``waits`` counts items that waited for another item's prefill of
+    their prefix instead of repeating it."""
+
+    scope: str
+    block: int
+    max_bytes: int
+    entries: int
+    bytes: int
+    lookups: int
+    prompt_tokens: int
+    hits: int
+    hit_tokens: int
+    fork_failures: int
+    waits: int
+    kept: int
+    evictions: int
+
+
 class SessionInfo(msgspec.Struct, frozen=True):
     """One live decode session."""
 
@@ -375,6 +400,10 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     frames_dropped: int = 0
     clients_disconnected: int = 0
     replies_dropped: int = 0
+    # None when kv.prefix_cache is off. Its bytes are charged to kv.memory_budget
+    # beside kv_bytes_in_use (what sessions hold), and given back before any
+    # session is refused memory.
+    prefix_cache: PrefixCacheStats | None = None
 
 
 class JobInfo(msgspec.Struct, frozen=True):

@@ -10,7 +10,7 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import msgspec
@@ -24,9 +24,14 @@ from ..config import JobsConfig
 from ..engine import Admission, DecodeSession
 from ..journal import Journal
 
+if TYPE_CHECKING:
+    from ._prefix import ItemPrefix
+
 log = structlog.get_logger("kvmux.scheduler")
 
-Phase = Literal["queued", "opening", "active", "growing", "parked", "failing", "done"]
+# "waiting": admitted, holding no KV yet, until another item's prefill of its
+# prompt's prefix is done (then it starts on a copy of it).
+Phase = Literal["queued", "opening", "waiting", "active", "growing", "parked", "failing", "done"]
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -66,6 +71,8 @@ class ItemState:
     seen_tokens: int = 0
     seen_text: int = 0
     preemptions: int = 0
+    # Its prompt as the prefix cache matches it, and its part in the cache while it runs.
+    prefix: ItemPrefix | None = None
 
     @property
     def session_id(self) -> str:
