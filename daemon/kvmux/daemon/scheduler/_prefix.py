@@ -66,12 +66,11 @@ class PrefixPlanner:
 
     def _plan(self, state: ItemState, cache: PrefixCache) -> ItemPrefix | None:
         """``state``'s prompt as the cache matches it (worked out once: a preempted item
-        keeps it); None when it has no whole block."""
+        keeps it)."""
         if state.prefix is None and state.admission is not None:
             salt = state.job.owner if cache.scope == "owner" else ""
             state.prefix = ItemPrefix(cache.key(state.admission.prompt_ids, salt))
-        plan = state.prefix
-        return plan if plan is not None and plan.key.chain else None
+        return state.prefix
 
     # -- leaving the queue ---------------------------------------------------------
     def waits(self, state: ItemState) -> bool:
@@ -84,7 +83,10 @@ class PrefixPlanner:
         plan = self._plan(state, cache)
         if plan is None:
             return False
+        # Every item is counted, so the hit rate is over all prompt tokens.
         match = cache.lookup(plan.key, count=fresh)
+        if not plan.key.chain:
+            return False
         waiting_on = tuple(h for h in match.prefilling if self._progressing(h))
         if not waiting_on:
             return False
