@@ -268,17 +268,20 @@ class TurnLoop:
         if gate is None:
             return
         batch: list[ItemState] = []
-        # Items that waited for another's prefill of their prefix were admitted first.
+        # Items that waited for another's prefill of their prefix were admitted first:
+        # while one of them cannot start, no younger item does.
+        held_back = False
         for state in self.prefix.ready_waiters():
             assert state.admission is not None
             if not gate.admits(state.admission):
+                held_back = True
                 break
             self.prefix.opening(state)
             state.phase = "opening"
             batch.append(state)
         slots = self.cfg.max_active_sessions - len(self._active)
         active_by = Counter(s.job.owner for s in self._active)
-        while slots > 0 and self.queue:
+        while slots > 0 and self.queue and not held_back:
             state = self.queue.head(active_by)
             assert state.admission is not None
             if not gate.admits(state.admission):

@@ -16,6 +16,7 @@ an owner's items never match another owner's prompts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -102,22 +103,23 @@ class PrefixPlanner:
         )
         return True
 
-    def ready_waiters(self) -> list[ItemState]:
+    def ready_waiters(self) -> Iterator[ItemState]:
         """Waiting items that need wait no longer, oldest first: what they waited for is
-        ready, or whoever was prefilling it stopped (parked, preempted, gone)."""
+        ready, or whoever was prefilling it stopped (parked, preempted, gone). Each is
+        looked up as it comes, so one the caller opened (:meth:`opening`) is seen by
+        the next: when a stopped prefill releases several, the first prefills and the
+        rest wait for it."""
         cache = self.cache
-        if cache is None or not self.waiting:
-            return []
-        ready = []
-        for state in self.waiting:
+        if cache is None:
+            return
+        for state in list(self.waiting):
             plan = state.prefix
             assert plan is not None
             match = cache.lookup(plan.key, count=False)
             waiting_on = tuple(h for h in match.prefilling if self._progressing(h))
             plan.waiting_on, plan.target = waiting_on, match.pending
             if not waiting_on:
-                ready.append(state)
-        return ready
+                yield state
 
     def opening(self, state: ItemState) -> None:
         """``state`` opens now: it waits no more, and its prompt is registered, so that
