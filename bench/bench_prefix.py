@@ -347,7 +347,7 @@ def _print_cache(cache: dict[str, Any]) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a quarter of every workload")
     ap.add_argument("--model", default="small", choices=["small", "tiny"])
@@ -365,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.items, args.lines, args.unshared = args.items // 4, args.lines // 4, args.unshared // 4
         args.repeats = 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = anyio.run(bench, args)
     print_report(out)
     print(f"\nwritten: {write_json('bench_prefix', out)}")
