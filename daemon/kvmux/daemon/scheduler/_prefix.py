@@ -170,6 +170,14 @@ class PrefixPlanner:
         tokens = min(match.tokens, holder.exact)
         return Start(holder, plan.key, tokens) if tokens > 0 else None
 
+    def copy_tokens(self, batch: list[ItemState]) -> int:
+        """About how many tokens opening ``batch`` now would copy from cached prefixes."""
+        total = 0
+        for state in batch:
+            start = self.start(state)
+            total += 0 if start is None else start.tokens
+        return total
+
     def opened(self, state: ItemState, session: DecodeSession | None) -> None:
         """``state``'s session exists now (its blocks become ready as it prefills), or
         it could not be opened (its prompt is forgotten)."""
