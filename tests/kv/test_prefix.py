@@ -20,12 +20,15 @@ from kvmux.kv import (
     PrefixCacheError,
     PromptKey,
     RowKvCache,
+    carve,
     ensure_capacity,
     entry_bytes,
     failpoints,
     fork_prefix,
     resolve_hard_max,
 )
+
+from .fake_device import FakeDeviceStorage
 
 SPEC = KvSpec(num_layers=2, kv_heads=2, head_dim=8, dtype="float32")
 BPT = SPEC.bytes_per_token
@@ -311,3 +314,31 @@ def test_a_kept_row_being_copied_from_is_not_evicted() -> None:
     failpoints.disarm()
     assert _kv(target, 32).tobytes() == data.tobytes()
     assert cache.reclaim(1 << 30) == entry_bytes(SPEC, 32) and budget.used == target.nbytes
+
+
+def test_on_a_device_a_refused_allocation_takes_kept_rows_back_first() -> None:
+    """Device storage (memory held per cohort, as on CUDA) that refuses past its total:
+    the claim the device refuses evicts the kept rows, whose cohorts are then freed, and
+    is tried again; no budget is involved."""
+    carved = carve(SPEC, 64, 1).nbytes
+    storage = FakeDeviceStorage(total=3 * carved)
+    budget = MemoryBudget()
+    pool = CohortPool(SPEC, storage=storage, rows_per_cohort=1, min_bucket=4, budget=budget)
+    cache = PrefixCache(SPEC, budget=budget, storage=storage, block=BLOCK, min_bucket=4)
+    prompt = [7] * 64 + [1]
+    _live(cache, pool, prompt, seed=13)  # a session's row of 128: more than two of 64
+    key = cache.key(prompt)
+    holder = cache.lookup(key).holder
+    assert holder is not None and cache.leave(holder, keep=True) is False
+    cache.settle()  # into a cohort of its own, 64 tokens: its session's 128 is freed
+    assert cache.stats.entries == 1 and len(cache.pool.cohorts()) == 1
+    sessions = [pool.new_cache(HARD) for _ in range(3)]
+    for s in sessions:
+        # The device holds three cohorts of 64: the third session's is refused until
+        # the kept row's cohort is given back.
+        ensure_capacity(s, 64)
+    assert cache.stats.evictions == 1 and cache.pool.cohorts() == []
+    assert storage.held == 3 * carved
+    with pytest.raises(GrowthFailed) as err:
+        ensure_capacity(pool.new_cache(HARD), 128)
+    assert err.value.details["cause"] == "out_of_memory"
