@@ -11,18 +11,20 @@ default). All figures of a ratio come from one run:
   submit (p50, p99), with the cache, without it, and through genai's ``Engine``
   (static batching of ``--max-active``, its ``max_length`` cut to the longest
   prompt + new, its best case). Tokens checked equal on all three sides.
-- **choices**: a file of L lines (64), each a P-token prompt (512) of its own
+- **choices**: a file of L lines (64), each a P-token prompt (1,024) of its own
   with n = 4 sampled choices (seed s + j, as ``kvmux submit`` expands them),
   32 new tokens each: items/s with and without the cache; tokens checked equal.
 - **unshared**: U items (128) with prompts of their own (256 tokens), 64 new
   tokens, greedy: tokens/s with and without the cache, ``--repeats`` runs
-  interleaved (median), i.e. what keys, lookups and holders cost.
+  interleaved (median; each repeat with prompts neither side has seen), i.e.
+  what keys, lookups and holders cost.
 - for each workload run with the cache: the prompt tokens copied instead of
   prefilled (hit rate), items that waited for another's prefill, and the KV
   bytes the cache keeps at the end.
 
 Usage: python -m bench.bench_prefix [--quick] [--model small|tiny] [--threads N]
     [--items N] [--system S] [--lines L] [--repeats R] [--max-active K] [--no-genai]
+    [--only shared,choices,unshared]
 """
 
 from __future__ import annotations
@@ -174,9 +176,9 @@ async def measure(client: Client, items: list[Item], side: Side) -> None:
         side.cache["hit_rate"] = side.cache["hit_tokens"] / side.cache["prompt_tokens"]
 
 
-def _tokens(side: Side) -> list[list[int]]:
-    run = side.runs[0]
-    return [run.tokens[i] for i in sorted(run.tokens)]
+def _tokens(side: Side, run: int = 0) -> list[list[int]]:
+    tokens = side.runs[run].tokens
+    return [tokens[i] for i in sorted(tokens)]
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,15 +189,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     vocab = spec.vocab_size
     shared = shared_items(args.items, args.system, vocab)
     choices = choice_items(args.lines, args.choice_prompt, vocab)
-    unshared = unshared_items(args.unshared, args.unshared_prompt, vocab)
     tables: dict[str, dict[str, object]] = {
         "scheduler": {"max_active_sessions": args.max_active, "max_queued_items": 8192},
     }
-    results: dict[str, dict[str, Side]] = {
-        "shared": {"on": Side(), "off": Side()},
-        "choices": {"on": Side(), "off": Side()},
-        "unshared": {"on": Side(), "off": Side()},
-    }
+    results = {name: {"on": Side(), "off": Side()} for name in args.only}
     on_tables: dict[str, dict[str, object]] = {**tables, "kv": {"prefix_cache": True}}
     off_tables: dict[str, dict[str, object]] = {**tables, "kv": {"prefix_cache": False}}
     async with (
@@ -206,16 +203,20 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     ):
         clients = {"on": c_on, "off": c_off}
         for name, items in (("shared", shared), ("choices", choices)):
+            if name not in results:
+                continue
             for side in ("off", "on"):
                 print(f"{name}: cache {side} ...", flush=True)
                 await measure(clients[side], items, results[name][side])
-        for r in range(args.repeats):
-            # Interleaved, the order turning each repeat: drift hits both sides alike.
+        for r in range(args.repeats if "unshared" in results else 0):
+            # Prompts never seen before on either side; interleaved, the order turning
+            # each repeat, so drift hits both sides alike.
+            unshared = unshared_items(args.unshared, args.unshared_prompt, vocab, seed=100 + r)
             for side in ("on", "off") if r % 2 else ("off", "on"):
                 print(f"unshared: cache {side}, repeat {r + 1} ...", flush=True)
                 await measure(clients[side], unshared, results["unshared"][side])
     genai: dict[str, Any] | None = None
-    if not args.no_genai:
+    if not args.no_genai and "shared" in results:
         print("shared: onnxruntime-genai Engine ...", flush=True)
         genai = await anyio.to_thread.run_sync(_genai_shared, model, args, shared)
     return report(args, results, genai)
@@ -237,14 +238,26 @@ def report(
     out: dict[str, Any] = {"args": vars(args)}
     # Tokens first: a ratio of different work would mean nothing.
     for name, sides in results.items():
-        equal = _tokens(sides["on"]) == _tokens(sides["off"])
+        runs = range(len(sides["on"].runs))
+        equal = all(_tokens(sides["on"], r) == _tokens(sides["off"], r) for r in runs)
         out[f"{name}_tokens_equal"] = equal
         if not equal:
             raise RuntimeError(f"{name}: tokens differ with the cache on and off")
-    sh = results["shared"]
+    if "shared" in results:
+        out["shared"] = _shared(args, results["shared"], genai)
+    if "choices" in results:
+        out["choices"] = _choices(args, results["choices"])
+    if "unshared" in results:
+        out["unshared"] = _unshared(args, results["unshared"])
+    return out
+
+
+def _shared(
+    args: argparse.Namespace, sh: dict[str, Side], genai: dict[str, Any] | None
+) -> dict[str, Any]:
     n = args.items
     on_ips, off_ips = n / sh["on"].wall, n / sh["off"].wall
-    out["shared"] = {
+    out: dict[str, Any] = {
         "items": n,
         "system_tokens": args.system,
         "on": {"items_per_s": on_ips, **_ttft(sh["on"]), "cache": sh["on"].cache},
@@ -253,19 +266,21 @@ def report(
         "ttft_p50_ratio": sh["on"].ttft_ms(50) / sh["off"].ttft_ms(50),
     }
     if genai is not None:
-        equal = genai["tokens"] == _tokens(sh["on"])
         g_ips = n / genai["wall"]
-        out["shared"]["genai_engine"] = {
+        out["genai_engine"] = {
             "items_per_s": g_ips,
             "ttft_p50_ms": 1e3 * pct(genai["ttft"], 50),
             "ttft_p99_ms": 1e3 * pct(genai["ttft"], 99),
-            "tokens_equal": equal,
+            "tokens_equal": genai["tokens"] == _tokens(sh["on"]),
         }
-        out["shared"]["items_per_s_vs_genai"] = on_ips / g_ips
-        out["shared"]["uncached_vs_genai"] = off_ips / g_ips
-    ch = results["choices"]
+        out["items_per_s_vs_genai"] = on_ips / g_ips
+        out["uncached_vs_genai"] = off_ips / g_ips
+    return out
+
+
+def _choices(args: argparse.Namespace, ch: dict[str, Side]) -> dict[str, Any]:
     m = len(ch["on"].runs[0].tokens)
-    out["choices"] = {
+    return {
         "lines": args.lines,
         "n": CHOICES,
         "prompt_tokens": args.choice_prompt,
@@ -273,9 +288,11 @@ def report(
         "off": {"items_per_s": m / ch["off"].wall, **_ttft(ch["off"])},
         "items_per_s_ratio": ch["off"].wall / ch["on"].wall,
     }
-    un = results["unshared"]
+
+
+def _unshared(args: argparse.Namespace, un: dict[str, Side]) -> dict[str, Any]:
     tokens = args.unshared * UNSHARED_NEW
-    out["unshared"] = {
+    return {
         "items": args.unshared,
         "prompt_tokens": args.unshared_prompt,
         "on": {
@@ -289,7 +306,6 @@ def report(
         },
         "tokens_per_s_ratio": un["off"].wall / un["on"].wall,
     }
-    return out
 
 
 def _ttft(side: Side) -> dict[str, float]:
@@ -297,43 +313,48 @@ def _ttft(side: Side) -> dict[str, float]:
 
 
 def print_report(out: dict[str, Any]) -> None:
-    sh, ch, un = out["shared"], out["choices"], out["unshared"]
-    print(
-        f"\nshared ({sh['items']} items, a {sh['system_tokens']}-token system prompt, "
-        f"{N_NEW} new tokens each)"
-    )
-    print(f"{'side':<22} {'items/s':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}")
-    rows = [("kvmuxd, cache on", sh["on"]), ("kvmuxd, cache off", sh["off"])]
-    if "genai_engine" in sh:
-        rows.append(("genai Engine", sh["genai_engine"]))
-    for label, row in rows:
+    if "shared" in out:
+        sh = out["shared"]
         print(
-            f"{label:<22} {row['items_per_s']:>8.2f} {row['ttft_p50_ms']:>12.0f} "
-            f"{row['ttft_p99_ms']:>12.0f}"
+            f"\nshared ({sh['items']} items, a {sh['system_tokens']}-token system prompt, "
+            f"{N_NEW} new tokens each)"
         )
-    line = (
-        f"cache on / off: {sh['items_per_s_ratio']:.2f}x items/s, TTFT p50 "
-        f"{sh['ttft_p50_ratio']:.2f}x"
-    )
-    if "genai_engine" in sh:
-        line += (
-            f"; on / genai Engine: {sh['items_per_s_vs_genai']:.2f}x items/s "
-            f"(tokens equal: {sh['genai_engine']['tokens_equal']})"
+        print(f"{'side':<22} {'items/s':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}")
+        rows = [("kvmuxd, cache on", sh["on"]), ("kvmuxd, cache off", sh["off"])]
+        if "genai_engine" in sh:
+            rows.append(("genai Engine", sh["genai_engine"]))
+        for label, row in rows:
+            print(
+                f"{label:<22} {row['items_per_s']:>8.2f} {row['ttft_p50_ms']:>12.0f} "
+                f"{row['ttft_p99_ms']:>12.0f}"
+            )
+        line = (
+            f"cache on / off: {sh['items_per_s_ratio']:.2f}x items/s, TTFT p50 "
+            f"{sh['ttft_p50_ratio']:.2f}x"
         )
-    print(line)
-    _print_cache(sh["on"]["cache"])
-    print(
-        f"\nchoices ({ch['lines']} lines of {ch['prompt_tokens']} tokens, n = {ch['n']}): "
-        f"on {ch['on']['items_per_s']:.2f} items/s, off {ch['off']['items_per_s']:.2f}: "
-        f"{ch['items_per_s_ratio']:.2f}x"
-    )
-    _print_cache(ch["on"]["cache"])
-    print(
-        f"\nunshared ({un['items']} items of {un['prompt_tokens']} tokens, {UNSHARED_NEW} new): "
-        f"on {un['on']['tokens_per_s']:.1f} tokens/s, off {un['off']['tokens_per_s']:.1f}: "
-        f"{un['tokens_per_s_ratio']:.3f}x"
-    )
-    _print_cache(un["on"]["cache"])
+        if "genai_engine" in sh:
+            line += (
+                f"; on / genai Engine: {sh['items_per_s_vs_genai']:.2f}x items/s "
+                f"(tokens equal: {sh['genai_engine']['tokens_equal']})"
+            )
+        print(line)
+        _print_cache(sh["on"]["cache"])
+    if "choices" in out:
+        ch = out["choices"]
+        print(
+            f"\nchoices ({ch['lines']} lines of {ch['prompt_tokens']} tokens, n = {ch['n']}): "
+            f"on {ch['on']['items_per_s']:.2f} items/s, off {ch['off']['items_per_s']:.2f}: "
+            f"{ch['items_per_s_ratio']:.2f}x"
+        )
+        _print_cache(ch["on"]["cache"])
+    if "unshared" in out:
+        un = out["unshared"]
+        print(
+            f"\nunshared ({un['items']} items of {un['prompt_tokens']} tokens, "
+            f"{UNSHARED_NEW} new): on {un['on']['tokens_per_s']:.1f} tokens/s, "
+            f"off {un['off']['tokens_per_s']:.1f}: {un['tokens_per_s_ratio']:.3f}x"
+        )
+        _print_cache(un["on"]["cache"])
 
 
 def _print_cache(cache: dict[str, Any]) -> None:
@@ -355,13 +376,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--items", type=int, default=256)
     ap.add_argument("--system", type=int, default=1024)
     ap.add_argument("--lines", type=int, default=64)
-    ap.add_argument("--choice-prompt", type=int, default=512)
+    ap.add_argument("--choice-prompt", type=int, default=1024)
     ap.add_argument("--unshared", type=int, default=128)
     ap.add_argument("--unshared-prompt", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-active", type=int, default=16)
     ap.add_argument("--no-genai", action="store_true", help="skip onnxruntime-genai's Engine")
+    ap.add_argument(
+        "--only",
+        default="shared,choices,unshared",
+        type=lambda v: [w for w in v.split(",") if w],
+        help="workloads to run (comma-separated): shared, choices, unshared",
+    )
     args = ap.parse_args(argv)
+    unknown = set(args.only) - {"shared", "choices", "unshared"}
+    if unknown:
+        ap.error(f"--only: unknown workload(s) {', '.join(sorted(unknown))}")
     if args.quick:
         args.items, args.lines, args.unshared = args.items // 4, args.lines // 4, args.unshared // 4
         args.repeats = 1

@@ -342,3 +342,30 @@ def test_on_a_device_a_refused_allocation_takes_kept_rows_back_first() -> None:
     with pytest.raises(GrowthFailed) as err:
         ensure_capacity(pool.new_cache(HARD), 128)
     assert err.value.details["cause"] == "out_of_memory"
+
+
+def test_lookups_of_one_asker_count_once() -> None:
+    """The n choices of one line ask for the same prompt as one asker: they copy it from
+    the live session that prefills it, and it is not kept for later; another line's
+    lookup makes its blocks shared."""
+    pool, cache = _setup()
+    prompt = [8] * 24 + [1]
+    row = pool.new_cache(HARD)
+    _fill(row, len(prompt), seed=14)
+    key = cache.key(prompt)
+    for _ in range(4):
+        cache.lookup(key, asker=("job", 0))
+    holder = cache.register(key)
+    assert holder is not None
+    cache.attach(holder, row)
+    assert cache.leave(holder, keep=True) is True and cache.stats.kept == 0
+    holder = cache.register(key)
+    assert holder is not None
+    cache.attach(holder, row)
+    cache.lookup(cache.key([8] * 16 + [2] * 9), asker=("job", 4))  # another line: 4 blocks
+    assert cache.leave(holder, keep=False) is True  # (a session that did not finish well)
+    holder = cache.register(key)
+    assert holder is not None
+    cache.attach(holder, row)
+    assert cache.leave(holder, keep=True) is False and cache.stats.kept == 1
+    assert cache.lookup(key, count=False).tokens == 16  # what the other line shares

@@ -18,12 +18,14 @@ A new session whose prompt begins with ready blocks starts on a copy of them:
 copy's source. The source is pinned while it copies, so neither a finished
 session's release nor an eviction can take it away meanwhile.
 
-What is kept: the blocks of a finished prompt that at least one other lookup
-asked for too (a prefix that many items share), up to what its session had
+What is kept: the blocks of a finished prompt that another asker looked up too
+(a prefix that many lines or jobs share), up to what its session had
 prefilled; nothing already kept by another row. A prompt nobody else asked
 for is not copied anywhere, so a workload without sharing pays only for the
-hashing. Kept rows live in a pool of their own (whole blocks, no bucket
-rounding), so they never sit between the live rows one run decodes together.
+hashing; nor is one only the ``n`` choices of its own line asked for (they
+copy it from the live session that prefills it, and nothing later will). Kept
+rows live in a pool of their own (whole blocks, no bucket rounding), so they
+never sit between the live rows one run decodes together.
 
 Kept rows are the budget's :class:`~kvmux.kv.Reclaimer`: an allocation the
 budget or the device refuses first takes memory back from them (the least
@@ -36,7 +38,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,9 +54,11 @@ from ._spec import KvSpec
 
 Scope = Literal["owner", "shared"]
 
-# Block keys whose lookups are counted (what decides that a block is shared):
+# Block keys whose askers are noted (what decides that a block is shared):
 # 16-byte keys, so about 100 bytes each with the dict's own.
 _SEEN_MAX = 1 << 17
+# A block asked for by two askers.
+_SHARED = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +162,7 @@ class PrefixCache:
         self._secret = os.urandom(16)
         self._index: dict[bytes, dict[Holder, None]] = {}
         self._lru: OrderedDict[Holder, None] = OrderedDict()  # kept rows, oldest use first
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._seen: OrderedDict[bytes, Hashable] = OrderedDict()
         self._unsettled: list[Holder] = []
         self._bytes = 0
         self._lock = threading.Lock()
@@ -181,16 +185,17 @@ class PrefixCache:
             chain.append(h)
         return PromptKey(tokens, tuple(chain), max(len(prompt) - 1, 0))
 
-    def lookup(self, key: PromptKey, *, count: bool = True) -> Match:
+    def lookup(self, key: PromptKey, *, count: bool = True, asker: Hashable = None) -> Match:
         """The longest run of ``key``'s blocks that some holder has ready, and how far live
         holders will get. ``count``: this is an item's first lookup (tallied, and its
-        blocks counted as asked for)."""
+        blocks counted as asked for by ``asker``: lookups of one asker, the choices of
+        one line say, count as one; None is an asker of its own)."""
         block = self.block
         with self._lock:
             if count:
                 self.stats.lookups += 1
                 self.stats.prompt_tokens += key.limit + 1
-                self._count_seen(key.chain)
+                self._count_seen(key.chain, object() if asker is None else asker)
             best: Holder | None = None
             ready = deepest = 0
             last: dict[Holder, None] = {}
@@ -218,10 +223,12 @@ class PrefixCache:
         prefilling = tuple(x for x in last if not x.kept)
         return Match(tokens, best if tokens else None, pending, prefilling)
 
-    def _count_seen(self, chain: tuple[bytes, ...]) -> None:
+    def _count_seen(self, chain: tuple[bytes, ...], asker: Hashable) -> None:
+        """Note who asked for each block: its first asker, or _SHARED once another did."""
         seen = self._seen
         for h in chain:
-            seen[h] = seen.pop(h, 0) + 1
+            first = seen.pop(h, asker)
+            seen[h] = first if first is _SHARED or first == asker else _SHARED
         while len(seen) > _SEEN_MAX:
             seen.popitem(last=False)
 
@@ -288,7 +295,7 @@ class PrefixCache:
         its row: False when the cache has taken it (kept it, or a fork is copying from
         it right now and the cache releases it once the copy is done).
 
-        What is kept: the blocks of its prompt that another lookup asked for too, up
+        What is kept: the blocks of its prompt that another asker looked up too, up
         to what it had prefilled, unless a kept row has them already. The row stays
         where its session decoded until :meth:`settle` moves it (an allocation, under
         the growth lock); meanwhile it is charged its bucket."""
@@ -297,7 +304,7 @@ class PrefixCache:
         victims: list[Holder] = []
         with self._lock:
             blocks = 0 if cache is None or not keep else holder.ready_tokens(block) // block
-            while blocks and self._seen.get(holder.chain[blocks - 1], 0) < 2:
+            while blocks and self._seen.get(holder.chain[blocks - 1]) is not _SHARED:
                 blocks -= 1
             size = entry_bytes(self.spec, blocks * block)
             if (

@@ -84,8 +84,10 @@ class PrefixPlanner:
         plan = self._plan(state, cache)
         if plan is None:
             return False
-        # Every item is counted, so the hit rate is over all prompt tokens.
-        match = cache.lookup(plan.key, count=fresh)
+        # Every item is counted, so the hit rate is over all prompt tokens; the choices of
+        # one line (consecutive items from its first) ask as one.
+        asker = (state.job.job_id, state.index - state.choice)
+        match = cache.lookup(plan.key, count=fresh, asker=asker)
         if not plan.key.chain:
             return False
         waiting_on = tuple(h for h in match.prefilling if self._progressing(h))
