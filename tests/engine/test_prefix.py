@@ -80,17 +80,28 @@ def test_a_forked_session_decodes_exactly_as_a_full_prefill(
 
 
 def test_a_growth_right_after_a_fork_keeps_the_copied_prefix(engine: Engine) -> None:
-    """56 tokens copied and the last 8 prefilled fill the bucket of 64 exactly: the
-    first new token already needs the next bucket."""
-    prompt = prompt_ids(engine, 64, seed=20)
-    _, donor = _donor(engine, [*prompt[:56], *prompt_ids(engine, 20, seed=21)])
+    """48 tokens copied and the first prompt chunk (16) fill the bucket of 64 exactly: the
+    next chunk already needs the next bucket."""
+    prompt = prompt_ids(engine, 72, seed=20)
+    _, donor = _donor(engine, [*prompt[:48], *prompt_ids(engine, 20, seed=21)])
     session, tokens, _ = _forked(engine, prompt, greedy(40))
-    assert tokens == 56 and session.cache.capacity == 64
+    assert tokens == 48 and session.cache.capacity == 64
     got_tokens, got_logits, capacities = decode(session)
     assert capacities == [64, 128]
     want_tokens, want_logits, _ = decode(engine.new_session(prompt, greedy(40)))
     assert got_tokens == want_tokens
     assert [x.tobytes() for x in got_logits] == [x.tobytes() for x in want_logits]
+    donor.release()
+
+
+def test_a_fork_of_a_whole_prompt_has_room_for_the_first_new_token(engine: Engine) -> None:
+    """What is left of the prompt fits one chunk: the first bucket holds the first new
+    token too (a bucket exactly as long as the prompt would grow, copying again, at once)."""
+    prompt = prompt_ids(engine, 64, seed=22)
+    _, donor = _donor(engine, prompt)
+    session, tokens, _ = _forked(engine, prompt, greedy(20))
+    assert tokens == 62 and session.cache.capacity == 128
+    assert decode(session)[2] == [128]
     donor.release()
 
 

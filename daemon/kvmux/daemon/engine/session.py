@@ -195,7 +195,13 @@ class DecodeSession:
             raise RuntimeError(f"session {self.session_id} has started; it cannot fork")
         if not 0 < tokens < len(self.prompt_ids):
             raise ValueError(f"cannot start on {tokens} of {len(self.prompt_ids)} prompt tokens")
-        required = tokens + min(len(self.prompt_ids) - tokens, self._chunk)
+        n = len(self.prompt_ids)
+        required = tokens + min(n - tokens, self._chunk)
+        if required == n:
+            # The rest of the prompt fits one chunk: room for the first new token too,
+            # or the first decode step would grow (copying the prefix again) at once.
+            hard = self.cache.hard_max.value
+            required = n + 1 if hard is None else min(n + 1, hard)
         result = prefix.fork(self.cache, holder, key, tokens, required)
         self._prompt_pos = self.cached_tokens = tokens
         return result
