@@ -243,7 +243,11 @@ async def test_a_fork_that_fails_leaves_its_item_to_prefill_the_whole_prompt(
     async with running(make_config(tiny_model, sock_dir)) as daemon:
         results = await _run(daemon, items)
         async with connected(daemon) as client:
-            status = await client.status()
+            # A finished prompt is kept where it decoded until the next turn moves it
+            # into the cache's own pool (here: fails to, a fork too, and drops it).
+            with anyio.fail_after(20):
+                while (status := await client.status()).prefix_cache.entries:  # type: ignore[union-attr]
+                    await anyio.sleep(0.01)
     got = ok_tokens(results)
     for item, result in zip(items, results, strict=True):
         assert got[item.custom_id] == decode_alone(reference, item)
@@ -252,7 +256,7 @@ async def test_a_fork_that_fails_leaves_its_item_to_prefill_the_whole_prompt(
     assert pc is not None and pc.fork_failures >= 3 and pc.hits == 0
     # The kept prefix could not move into the cache's pool either (that copy is a fork
     # too): it was dropped, not kept half-way.
-    assert pc.entries == 0 and pc.bytes == 0
+    assert pc.kept >= 1 and pc.evictions == pc.kept and pc.bytes == 0
     assert status.kv_bytes_in_use == 0 and status.growth.failures == {}
 
 

@@ -196,9 +196,11 @@ class TurnLoop:
         fails (its release is the loop's, when no step is in flight), when the
         next step does not fit a session's bucket (growth is the coordinator's,
         between runs), when the loop is wanted (poke: an arrival, a cancel, a
-        growth done) or after _MAX_RUN_SECONDS.
+        growth done), when a prefill that items wait for has got there (they start
+        on a copy of it between runs) or after _MAX_RUN_SECONDS.
         """
         started = time.perf_counter()
+        prefix = self.prefix
         while True:
             decoding = not any(s.prefilling for s in sessions)
             t = time.perf_counter()
@@ -208,6 +210,9 @@ class TurnLoop:
                 self._stop.is_set()
                 or not all(map(still_going, outputs))
                 or time.perf_counter() - started > _MAX_RUN_SECONDS
+                # Checked here, not by the loop: on short steps the next chunk would
+                # decode the donor to its end before a poke from the loop landed.
+                or (prefix.waiting and prefix.any_waiter_ready())
             ):
                 return chunk
             fit = _steps_that_fit(sessions)
@@ -233,8 +238,6 @@ class TurnLoop:
         """A chunk posted by a run still going: stream its tokens now."""
         try:
             self._took(ready, chunk)
-            if self.prefix.waiting and self.prefix.any_waiter_ready():
-                self.poke()  # a prefill others wait for got there: open them now
         except Exception:  # a callback's exception would only reach asyncio's handler
             log.exception("scheduler_chunk_failed")
         self.outbox.flush()

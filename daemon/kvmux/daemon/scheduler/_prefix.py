@@ -138,12 +138,13 @@ class PrefixPlanner:
             self._items[holder] = state
 
     def any_waiter_ready(self) -> bool:
-        """Whether some waiting item could start now (cheap: read while a run goes on)."""
+        """Whether some waiting item could start now. Read on the model thread between
+        the chunks of a run (the loop changes nothing it reads meanwhile); cheap."""
         cache = self.cache
         if cache is None:
             return False
         block = cache.block
-        for state in self.waiting:
+        for state in tuple(self.waiting):
             plan = state.prefix
             assert plan is not None
             for h in plan.waiting_on:
