@@ -138,13 +138,18 @@ class GenaiEngine:
     """onnxruntime-genai's ``Engine``: requests added as they arrive, stepped by ``run``.
 
     The Engine answers only the thread that created it, so everything it does
-    happens on one thread of its own."""
+    happens on one thread of its own. ``max_length`` cuts the KV buffer it
+    reserves per sequence (default: ``genai_config.json``'s). After a run,
+    ``ttft`` holds each prompt's time to its first token (s)."""
 
-    def __init__(self, model_dir: Path, threads: int, max_batch: int) -> None:
+    def __init__(
+        self, model_dir: Path, threads: int, max_batch: int, max_length: int | None = None
+    ) -> None:
+        self.ttft: list[float] = []
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genai-engine")
-        self._thread.submit(self._load, model_dir, threads, max_batch).result()
+        self._thread.submit(self._load, model_dir, threads, max_batch, max_length).result()
 
-    def _load(self, model_dir: Path, threads: int, max_batch: int) -> None:
+    def _load(self, model_dir: Path, threads: int, max_batch: int, max_length: int | None) -> None:
         import onnxruntime_genai as og
 
         self.og = og
@@ -154,6 +159,8 @@ class GenaiEngine:
         }
         if threads:
             overlay["model"] = {"decoder": {"session_options": {"intra_op_num_threads": threads}}}
+        if max_length is not None:
+            overlay["search"] = {"max_length": max_length}
         config.overlay(json.dumps(overlay))
         self.engine = og.Engine(og.Model(config))
         got = self.engine.get_capabilities().configured_max_batch_size
@@ -161,18 +168,25 @@ class GenaiEngine:
             raise RuntimeError(f"genai Engine took max_batch_size {got}, not {max_batch}")
 
     def run(
-        self, prompts: list[list[int]], n_new: int, arrivals: list[float] | None = None
+        self,
+        prompts: list[list[int]],
+        n_new: int,
+        arrivals: list[float] | None = None,
+        *,
+        min_new: bool = False,
     ) -> tuple[list[list[int]], float]:
         """Every prompt decoded greedily; prompt i is added ``arrivals[i]`` s after the
-        start (all at once without). New tokens per prompt, and the wall time."""
-        return self._thread.submit(self._run, prompts, n_new, arrivals).result()
+        start (all at once without); ``min_new``: eos held off until ``n_new`` tokens.
+        New tokens per prompt, and the wall time."""
+        return self._thread.submit(self._run, prompts, n_new, arrivals, min_new).result()
 
     def _run(
-        self, prompts: list[list[int]], n_new: int, arrivals: list[float] | None
+        self, prompts: list[list[int]], n_new: int, arrivals: list[float] | None, min_new: bool
     ) -> tuple[list[list[int]], float]:
         og = self.og
         arrivals = arrivals or [0.0] * len(prompts)
         out: list[list[int]] = [[] for _ in prompts]
+        first: list[float] = [0.0] * len(prompts)
         index: dict[int, int] = {}
         requests = []
         events = self.engine.create_event_buffer(4 * len(prompts))
@@ -184,6 +198,8 @@ class GenaiEngine:
                 request = self.engine.create_request()
                 turn = og.TurnOptions(request)
                 turn.set_do_sample(False)
+                if min_new:
+                    turn.set_min_generated_tokens(n_new)
                 turn.set_max_generated_tokens(n_new)
                 request.begin_turn(np.asarray(prompts[nxt], dtype=np.int32), turn)
                 index[id(request)] = nxt
@@ -195,8 +211,12 @@ class GenaiEngine:
             for ev in self.engine.run(events):
                 if ev.error_code != og.EngineErrorCode.NONE:
                     raise RuntimeError(f"genai Engine: {ev.error_code} {ev.finish_reason}")
-                out[index[id(ev.request)]].append(int(ev.token))
+                i = index[id(ev.request)]
+                if not out[i]:
+                    first[i] = time.perf_counter() - t0
+                out[i].append(int(ev.token))
         wall = time.perf_counter() - t0
+        self.ttft = first
         for request in requests:
             request.close()
         return out, wall

@@ -197,10 +197,14 @@ def test_status_json_parses_and_the_table_shows_the_facts(kvmuxd: Kvmuxd) -> Non
     assert status["state"] == "ready"
     assert status["kv_bytes_per_token"] > 0 and status["min_bucket"] == 4
     assert {"growths", "failures", "bytes_copied"} <= status["growth"].keys()
+    prefix = status["prefix_cache"]
+    assert prefix["scope"] == "owner" and prefix["block"] == 16
+    assert {"entries", "bytes", "hit_tokens", "prompt_tokens", "evictions"} <= prefix.keys()
 
     table = kvmuxd.run("status")
     assert table.returncode == 0, table.stderr
-    for fact in ("state", "ready", "sessions", "KV in use", "growths", "growth failures"):
+    facts = ("state", "ready", "sessions", "KV in use", "growths", "growth failures")
+    for fact in (*facts, "prefix cache"):
         assert fact in table.stdout
 
 

@@ -158,7 +158,12 @@ def test_openai_lines_gather_every_choice_of_a_line() -> None:
         (1, "B", "length"),
     ]
     # Two prompts (n=1): each prompt counted.
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+    assert body["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 4,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     # A job that ended without some choice of a line still writes what it has.
     sink.result(result(custom_id="s", choice=0, choices=3, text="C", usage=usage))
     assert len(out) == 1
@@ -175,7 +180,29 @@ def test_openai_usage_counts_a_prompt_once_for_its_n_choices() -> None:
     (line,) = out
     body = line["response"]["body"]
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
-    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
+    assert body["usage"] == {
+        "prompt_tokens": 8,
+        "completion_tokens": 8,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_openai_usage_counts_a_prompts_cached_tokens_once() -> None:
+    """``prompt_tokens_details.cached_tokens``, as OpenAI reports it: the prompt tokens none
+    of a prompt's choices prefilled. The first of n choices prefills what the next copy."""
+    sink, out, _ = collect("openai")
+    for choice, cached in [(0, 0), (1, 40), (2, 32), (3, 41)]:
+        usage = {
+            "prompt_tokens": 42,
+            "completion_tokens": 2,
+            "total_tokens": 44,
+            "cached_tokens": cached,
+        }
+        sink.result(result(choice=choice, choices=4, n=2, text=str(choice), usage=usage))
+    (line,) = out
+    usage = line["response"]["body"]["usage"]
+    assert usage["prompt_tokens"] == 84 and usage["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
 def test_openai_chat_body_and_logprobs_shapes() -> None:
@@ -254,6 +281,8 @@ def test_openai_completions_through_a_real_daemon(
     prompts = ["Once upon a time", "The capital of France is"]
     usage = lines["request-2"]["response"]["body"]["usage"]
     assert usage["prompt_tokens"] == sum(len(engine.encode(text)) for text in prompts)
+    # Each prompt's second choice copied the first one's prefill: nothing came from a cache.
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
     first = lines["request-1"]["response"]["body"]
     assert first["choices"][0]["finish_reason"] in ("stop", "length")
     assert first["usage"]["completion_tokens"] <= 7

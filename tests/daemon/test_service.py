@@ -283,6 +283,8 @@ async def test_metrics_endpoint_serves_the_counters(tiny_model: Path, sock_dir: 
             ]
         )
         await job.results()
+        assert daemon.engine is not None
+        prompt_tokens = len(daemon.engine.encode("count me"))
         url = f"http://127.0.0.1:{port}/metrics"
         body = await anyio.to_thread.run_sync(
             lambda: urllib.request.urlopen(url, timeout=10).read().decode()
@@ -300,6 +302,12 @@ async def test_metrics_endpoint_serves_the_counters(tiny_model: Path, sock_dir: 
     assert samples["kvmux_kv_bytes_rows"] == 0
     assert samples['kvmux_kv_growth_failures_total{cause="budget"}'] == 0
     assert samples["kvmux_growth_lock_wait_seconds_count"] >= 2
+    # One prompt looked up (the bad item never reached the queue), nothing copied or kept.
+    assert samples["kvmux_prefix_cache_lookups_total"] == 1
+    assert samples["kvmux_prefix_cache_prompt_tokens_total"] == prompt_tokens
+    assert samples["kvmux_prefix_cache_hit_tokens_total"] == 0
+    assert samples["kvmux_prefix_cache_bytes"] == samples["kvmux_prefix_cache_entries"] == 0
+    assert samples["kvmux_prefix_cache_evictions_total"] == 0
     assert samples["kvmux_time_to_first_token_seconds_count"] == 1
     assert samples["kvmux_time_per_output_token_seconds_count"] == 1
     assert samples['kvmux_requests_total{outcome="accepted"}'] >= 2

@@ -483,10 +483,17 @@ def usage(results: list[p.ItemResult], chat: bool) -> dict[str, Any]:
     # prompts, ``n`` choices each.
     prompts = {0 if chat else r.choice // r.n: u.prompt_tokens for r, u in used}
     prompt = sum(prompts.values())
+    # A prompt's cached tokens are those none of its choices prefilled: with n > 1
+    # the first choice prefills what the others copy, and that was computed.
+    cached: dict[int, int] = {}
+    for r, u in used:
+        k = 0 if chat else r.choice // r.n
+        cached[k] = min(cached.get(k, u.cached_tokens), u.cached_tokens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
     }
 
 

@@ -242,11 +242,14 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 
 
 class Usage(msgspec.Struct, frozen=True):
-    """Token counts of one finished item."""
+    """Token counts of one finished item; ``cached_tokens`` of its prompt tokens were
+    copied from the prefix cache instead of prefilled (OpenAI's
+    ``prompt_tokens_details.cached_tokens``)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -354,6 +357,28 @@ class GrowthStats(msgspec.Struct, frozen=True):
     preemptions: int = 0
 
 
+class PrefixCacheStats(msgspec.Struct, frozen=True):
+    """The prefix cache: its settings, what it keeps now, and its tallies since start.
+
+    ``hit_tokens`` of the ``prompt_tokens`` looked up were copied instead of
+    prefilled; ``waits`` counts items that waited for another item's prefill of
+    their prefix instead of repeating it."""
+
+    scope: str
+    block: int
+    max_bytes: int
+    entries: int
+    bytes: int
+    lookups: int
+    prompt_tokens: int
+    hits: int
+    hit_tokens: int
+    fork_failures: int
+    waits: int
+    kept: int
+    evictions: int
+
+
 class SessionInfo(msgspec.Struct, frozen=True):
     """One live decode session."""
 
@@ -415,6 +440,10 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     sessions_omitted: int = 0
     # Where OpenAI's HTTP API answers ("" when http.listen is off).
     http_url: str = ""
+    # None when kv.prefix_cache is off. Its bytes are charged to kv.memory_budget
+    # beside kv_bytes_in_use (what sessions hold), and given back before any
+    # session is refused memory.
+    prefix_cache: PrefixCacheStats | None = None
 
 
 class JobInfo(msgspec.Struct, frozen=True):

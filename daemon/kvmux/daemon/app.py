@@ -41,7 +41,7 @@ from .journal import Journal, default_journal_path
 from .metrics import Metrics
 from .model import resolve_model
 from .notify import Notifier
-from .scheduler import Scheduler
+from .scheduler import Scheduler, prefix_stats
 from .server import Server, client_bound_bytes
 from .service import Service
 from .worker import EngineWorker
@@ -168,6 +168,10 @@ class Daemon:
             max_len=cfg.kv.max_len or None,
             cuda_graph=cfg.model.cuda_graph,
             chat_template=Path(cfg.model.chat_template) if cfg.model.chat_template else None,
+            prefix_cache=cfg.kv.prefix_cache,
+            prefix_block=cfg.kv.prefix_block,
+            prefix_cache_bytes=cfg.kv.prefix_cache_bytes,
+            prefix_scope=cfg.kv.prefix_cache_scope,
         )
         return Engine(folder, options, budget=MemoryBudget(cfg.kv.memory_budget or None))
 
@@ -425,7 +429,7 @@ class Daemon:
             provider=("cuda" if engine.on_cuda else "cpu") if engine else cfg.model.provider,
             clients=self.server.clients if self.server else 0,
             **counts,
-            kv_bytes_in_use=engine.budget.used if engine else 0,
+            kv_bytes_in_use=engine.session_kv_bytes() if engine else 0,
             kv_peak_bytes=engine.budget.peak if engine else 0,
             kv_budget_bytes=engine.budget.total if engine else (cfg.kv.memory_budget or None),
             kv_bytes_per_token=engine.kv_spec.bytes_per_token if engine else 0,
@@ -445,6 +449,7 @@ class Daemon:
             requests_refused=self.budget.refused,
             client_bound_bytes=client_bound_bytes(cfg.server),
             http_url=self.http.url if self.http is not None else "",
+            prefix_cache=prefix_stats(engine.prefix) if engine is not None else None,
         )
 
 

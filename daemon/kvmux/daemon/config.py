@@ -160,11 +160,21 @@ class HttpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
 
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``[kv]``: the KV-cache bucket floor, explicit cap and memory budget."""
+    """``[kv]``: the KV-cache bucket floor, explicit cap, memory budget and prefix cache."""
 
     min_bucket: PositiveInt = 256
     max_len: NonNegInt = 0
     memory_budget: NonNegInt = 0
+    # Prompt KV reused by items whose prompts begin with the same whole blocks
+    # of prefix_block tokens; what it keeps is charged to memory_budget, at most
+    # prefix_cache_bytes, and given back before any session is refused memory.
+    prefix_cache: bool = True
+    prefix_block: PositiveInt = 16
+    prefix_cache_bytes: NonNegInt = 1 << 30
+    # "owner": an entry serves only the owner whose prompt made it (a hit is
+    # faster than a miss, so a shared cache tells tenants about each other's
+    # prompts); "shared": everyone, for a daemon with one tenant.
+    prefix_cache_scope: Literal["owner", "shared"] = "owner"
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -337,7 +337,8 @@ class StartGate:
         if self._need is None:
             self._need = coordinator._growth_reserve(self._active)
         cost = coordinator._start_cost(admission)
-        if budget.used + self._need + cost > budget.total:
+        # What the prefix cache keeps is given back on demand: it stands in no one's way.
+        if budget.committed + self._need + cost > budget.total:
             return False  # not enough to carry everyone to their next growth: it waits
         self._need += cost
         return True

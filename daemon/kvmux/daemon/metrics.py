@@ -125,7 +125,9 @@ class _DaemonCollector(Collector):
             "kvmux_sessions_parked", "Sessions waiting for memory", counts["sessions_parked"]
         )
         yield gauge("kvmux_jobs_active", "Jobs with unfinished items", counts["jobs_active"])
-        yield gauge("kvmux_kv_bytes_in_use", "KV cache bytes allocated", engine.budget.used)
+        yield gauge(
+            "kvmux_kv_bytes_in_use", "KV cache bytes sessions hold", engine.session_kv_bytes()
+        )
         # On CUDA the budget charges whole cohorts, rows in use or not: this is
         # the part sessions hold, to set against it.
         yield gauge(
@@ -143,3 +145,39 @@ class _DaemonCollector(Collector):
             failures.add_metric([cause], coord.failures.get(cause, 0))
         yield failures
         yield gauge("kvmux_clients", "Clients seen within client_timeout", server.clients)
+        prefix = engine.prefix
+        if prefix is not None:
+            st = prefix.stats
+            yield gauge(
+                "kvmux_prefix_cache_bytes",
+                "KV bytes of the prompt prefixes the cache keeps (charged to the budget)",
+                prefix.bytes,
+            )
+            yield gauge("kvmux_prefix_cache_entries", "Prompt prefixes kept", st.entries)
+            yield counter(
+                "kvmux_prefix_cache_lookups", "Items whose prompt was looked up", st.lookups
+            )
+            yield counter(
+                "kvmux_prefix_cache_prompt_tokens",
+                "Prompt tokens of the items looked up",
+                st.prompt_tokens,
+            )
+            yield counter(
+                "kvmux_prefix_cache_hit_tokens",
+                "Prompt tokens copied from a cached prefix instead of prefilled",
+                st.hit_tokens,
+            )
+            yield counter(
+                "kvmux_prefix_cache_hits", "Items that started on a cached prefix", st.hits
+            )
+            yield counter("kvmux_prefix_cache_evictions", "Kept prefixes evicted", st.evictions)
+            yield counter(
+                "kvmux_prefix_cache_waits",
+                "Items that waited for another item's prefill of their prefix",
+                st.waits,
+            )
+            yield counter(
+                "kvmux_prefix_cache_fork_failures",
+                "Prefix copies that failed (the item prefilled its whole prompt)",
+                st.fork_failures,
+            )

@@ -10,7 +10,7 @@ free memory. Nothing here knows about ZeroMQ, onnxruntime or the daemon.
 from . import failpoints
 from ._backend import GrowthBackend, GrowthResult, KvCache
 from ._bucket import DEFAULT_MIN_BUCKET, MIN_BUCKET_ENV, capacity_bucket, resolve_min_bucket
-from ._budget import MemoryBudget, MemoryInfo, host_memory
+from ._budget import MemoryBudget, MemoryInfo, Reclaimer, host_memory
 from ._buffers import ArrayKvCache, StagedBuffers
 from ._cohort import (
     CarvedBuffers,
@@ -24,7 +24,7 @@ from ._cohort import (
     carve,
 )
 from ._cuda import CudaStorage, cuda_memory, cuda_unavailable_reason
-from ._driver import classify_cause, ensure_capacity
+from ._driver import ForkBackend, classify_cause, ensure_capacity, fork_prefix
 from ._errors import (
     BudgetExceeded,
     CapacityExceeded,
@@ -37,6 +37,15 @@ from ._errors import (
 from ._hardmax import HardMax, resolve_hard_max
 from ._host import HostKvCache
 from ._placement import Placement
+from ._prefix import (
+    Holder,
+    Match,
+    PrefixCache,
+    PrefixCacheError,
+    PrefixStats,
+    PromptKey,
+    entry_bytes,
+)
 from ._spec import KvSpec
 
 __all__ = [
@@ -51,10 +60,12 @@ __all__ = [
     "CohortPool",
     "CohortStorage",
     "CudaStorage",
+    "ForkBackend",
     "GrowthBackend",
     "GrowthFailed",
     "GrowthResult",
     "HardMax",
+    "Holder",
     "HostKvCache",
     "HostStorage",
     "InjectedFault",
@@ -62,9 +73,15 @@ __all__ = [
     "KvConfigError",
     "KvError",
     "KvSpec",
+    "Match",
     "MemoryBudget",
     "MemoryInfo",
     "Placement",
+    "PrefixCache",
+    "PrefixCacheError",
+    "PrefixStats",
+    "PromptKey",
+    "Reclaimer",
     "RowKvCache",
     "StagedBuffers",
     "StagedRow",
@@ -74,7 +91,9 @@ __all__ = [
     "cuda_memory",
     "cuda_unavailable_reason",
     "ensure_capacity",
+    "entry_bytes",
     "failpoints",
+    "fork_prefix",
     "format_bytes",
     "host_memory",
     "resolve_hard_max",

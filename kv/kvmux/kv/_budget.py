@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 from ._errors import BudgetExceeded, KvConfigError
 
@@ -15,6 +16,20 @@ class MemoryInfo:
     free: int
     total: int
     source: str
+
+
+class Reclaimer(Protocol):
+    """Memory charged to a budget that its holder gives back on demand (the prefix
+    cache's rows): what a session needs comes before what is merely kept."""
+
+    def reclaimable(self) -> int:
+        """Bytes it could give back now."""
+        ...
+
+    def reclaim(self, nbytes: int) -> int:
+        """Give back at least ``nbytes`` if it can; return the bytes given back (0: none
+        left to give). Called without any budget or pool lock held."""
+        ...
 
 
 class MemoryBudget:
@@ -37,6 +52,7 @@ class MemoryBudget:
         self._used = 0
         self._peak = 0
         self._lock = threading.Lock()
+        self.reclaimer: Reclaimer | None = None
 
     @property
     def used(self) -> int:
@@ -49,6 +65,20 @@ class MemoryBudget:
     @property
     def free(self) -> int | None:
         return None if self.total is None else self.total - self._used
+
+    @property
+    def reclaimable(self) -> int:
+        """Bytes charged that the reclaimer would give back on demand."""
+        return 0 if self.reclaimer is None else self.reclaimer.reclaimable()
+
+    @property
+    def committed(self) -> int:
+        """Bytes charged that nobody gives back on demand: what sessions hold."""
+        return self._used - self.reclaimable
+
+    def reclaim(self, nbytes: int) -> int:
+        """Ask the reclaimer for ``nbytes`` (an allocation was refused); bytes given back."""
+        return 0 if self.reclaimer is None else self.reclaimer.reclaim(nbytes)
 
     def reserve(self, nbytes: int) -> None:
         """Charge ``nbytes`` or raise :class:`BudgetExceeded` and charge nothing."""

@@ -52,6 +52,7 @@ import numpy as np
 from ._bucket import resolve_min_bucket
 from ._budget import MemoryBudget, MemoryInfo, host_memory
 from ._buffers import KvState
+from ._errors import BudgetExceeded
 from ._hardmax import HardMax
 from ._placement import Placement, new_group
 from ._spec import KvSpec
@@ -327,9 +328,23 @@ class CohortPool:
     def claim(self, capacity: int) -> tuple[Cohort, int]:
         """A free row of a cohort of ``capacity`` (a new cohort when all are full), charged.
 
-        Raises what the budget or the storage raised (``BudgetExceeded``, a
-        device's ``OutOfMemoryError``), having charged and claimed nothing.
+        A refusal (by the budget or the storage) first asks the budget's
+        reclaimer for memory (the prefix cache gives back what it keeps) and
+        tries again while it gives some. Then raises what the budget or the
+        storage raised (``BudgetExceeded``, a device's ``OutOfMemoryError``),
+        having charged and claimed nothing.
         """
+        while True:
+            try:
+                return self._claim(capacity)
+            except MemoryError as exc:  # BudgetExceeded is one, as CuPy's OutOfMemoryError is
+                need = capacity * self.spec.bytes_per_token
+                if isinstance(exc, BudgetExceeded):
+                    need = max(exc.used + exc.requested - exc.total, 1)
+                if not self.budget.reclaim(need):
+                    raise
+
+    def _claim(self, capacity: int) -> tuple[Cohort, int]:
         row_bytes = capacity * self.spec.bytes_per_token
         per_row = self.storage.per_row
         if per_row:
@@ -476,12 +491,19 @@ class CohortPool:
 
 @dataclass(slots=True)
 class StagedRow:
-    """A claimed row of the next bucket's cohort, not yet the session's."""
+    """A claimed row of the next bucket's cohort, not yet the session's.
+
+    ``valid`` tokens are copied into it from ``source``'s row: the session's own
+    valid prefix in a growth, another row's first tokens in a fork
+    (:func:`kvmux.kv.fork_prefix`), which the row holds once committed.
+    """
 
     capacity: int
     cohort: Cohort
     row: int
     nbytes: int
+    valid: int
+    source: RowKvCache
     bytes_copied: int = 0
     released: bool = field(default=False)
 
@@ -511,6 +533,7 @@ class RowKvCache(KvState):
         self._valid_len = 0
         self._nbytes = 0
         self._place: Placement | None = None
+        self._seed: tuple[RowKvCache, int] | None = None
         self.capture_generation = 0
         self.capture_valid = False
 
@@ -576,27 +599,37 @@ class RowKvCache(KvState):
         self.capture_generation += 1
 
     # -- growth primitives -----------------------------------------------
+    def seed(self, source: RowKvCache | None, tokens: int = 0) -> None:
+        """Make the next growth copy ``source``'s first ``tokens`` positions instead of this
+        cache's own prefix (None: its own again). Only :func:`kvmux.kv.fork_prefix` calls
+        it, around one growth of an empty cache; it takes no memory."""
+        self._seed = None if source is None else (source, tokens)
+
     def allocate(self, new_capacity: int) -> StagedRow:
+        source, valid = self._seed or (self, self._valid_len)
         cohort, row = self.pool.claim(new_capacity)
-        return StagedRow(new_capacity, cohort, row, new_capacity * self.spec.bytes_per_token)
+        return StagedRow(
+            new_capacity, cohort, row, new_capacity * self.spec.bytes_per_token, valid, source
+        )
 
     def copy_prefix(self, staged: StagedRow) -> int:
-        n = self._valid_len
-        old = self._cohort
+        n, src = staged.valid, staged.source
+        old = src._cohort
+        if n > src._valid_len:
+            raise ValueError(f"cannot copy {n} tokens from a row holding {src._valid_len}")
         if n and old is not None:
-            src, dst = self._row, staged.row
             with self.storage.on_device():
                 for a, b in zip(
                     old.keys + old.values, staged.cohort.keys + staged.cohort.values, strict=True
                 ):
-                    b[dst, :, :n, :] = a[src, :, :n, :]
+                    b[staged.row, :, :n, :] = a[src._row, :, :n, :]
                 self.storage.synchronize()
         staged.bytes_copied = n * self.spec.kv_bytes_per_token
         return staged.bytes_copied
 
     def build_mask(self, staged: StagedRow) -> None:
         with self.storage.on_device():
-            staged.cohort.mask[staged.row, : self._valid_len] = 1
+            staged.cohort.mask[staged.row, : staged.valid] = 1
             self.storage.synchronize()
 
     def invalidate_capture(self) -> None:
@@ -607,6 +640,7 @@ class RowKvCache(KvState):
         self.pool.settle(staged.cohort, staged.row, self)
         self._cohort, self._row, self._place = staged.cohort, staged.row, None
         self._capacity = staged.capacity
+        self._valid_len = staged.valid
         self._nbytes = staged.nbytes
         self.capture_generation += 1
         staged.released = True

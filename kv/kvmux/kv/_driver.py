@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from . import failpoints
 from ._backend import GrowthBackend, GrowthResult
@@ -133,6 +133,38 @@ def ensure_capacity(backend: GrowthBackend[S], required: int) -> GrowthResult:
     length, buffers, mask and capture state are exactly as before, and the same
     call may be retried.
     """
+    return _transact(backend, required, fork=False)
+
+
+class ForkBackend(GrowthBackend[S], Protocol):
+    """A backend whose next growth can copy another cache's first tokens instead of its own."""
+
+    def seed(self, source: Any, tokens: int = 0) -> None: ...
+
+
+def fork_prefix(backend: ForkBackend[S], source: Any, tokens: int, required: int) -> GrowthResult:
+    """Start the empty ``backend`` on ``source``'s first ``tokens`` positions (a cached
+    prompt prefix), with room for ``required`` tokens.
+
+    This is a growth: the same transaction and failpoints as
+    :func:`ensure_capacity`, from capacity 0, whose prefix copy reads
+    ``source``'s row (and the ``kv.fork`` failpoint besides). It commits holding
+    ``tokens`` valid tokens, or raises as a growth does and leaves ``backend``
+    empty. ``source`` must hold ``tokens`` and must not move or be released
+    until this returns: its owner pins it.
+    """
+    if backend.capacity or backend.valid_len:
+        raise ValueError(f"a fork starts an empty cache, not one of capacity {backend.capacity}")
+    if not 0 < tokens <= required:
+        raise ValueError(f"cannot fork {tokens} tokens into room for {required}")
+    backend.seed(source, tokens)
+    try:
+        return _transact(backend, required, fork=True)
+    finally:
+        backend.seed(None)
+
+
+def _transact(backend: GrowthBackend[S], required: int, *, fork: bool) -> GrowthResult:
     if isinstance(required, bool) or not isinstance(required, int) or required < 0:
         raise ValueError(f"required must be a non-negative integer, got {required!r}")
     hard = backend.hard_max.value
@@ -151,6 +183,8 @@ def ensure_capacity(backend: GrowthBackend[S], required: int) -> GrowthResult:
         staged = backend.allocate(new)
         step = "copy_prefix"
         failpoints.hit("kv.copy_prefix")
+        if fork:
+            failpoints.hit("kv.fork")
         copied = backend.copy_prefix(staged)
         step = "build_mask"
         failpoints.hit("kv.build_mask")

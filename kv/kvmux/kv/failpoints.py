@@ -25,7 +25,13 @@ from ._errors import InjectedFault, KvConfigError
 ENV = "KVMUX_FAILPOINTS"
 ALWAYS = -1
 
-_known: set[str] = {"kv.allocate", "kv.copy_prefix", "kv.build_mask", "kv.invalidate_capture"}
+_known: set[str] = {
+    "kv.allocate",
+    "kv.copy_prefix",
+    "kv.fork",
+    "kv.build_mask",
+    "kv.invalidate_capture",
+}
 _armed: dict[str, int] = {}
 _slow: dict[str, float] = {}
 _keys: dict[str, str] = {}

@@ -87,6 +87,7 @@ def overview(st: p.DaemonStatus, endpoint: str) -> Table:
             f"answered, {st.replies_dropped} replies dropped unread (a client that never "
             f"reads holds at most {_bytes(st.client_bound_bytes)})",
         ),
+        ("prefix cache", _prefix(st)),
     ]
     for name, value in rows:
         table.add_row(name, Text(value))
@@ -109,6 +110,18 @@ def _failures(growth: p.GrowthStats) -> str:
         return "none"
     causes = ", ".join(f"{cause}: {n}" for cause, n in sorted(growth.failures.items()))
     return f"{causes}; {growth.parked_retries} parked retries; {growth.preemptions} preemptions"
+
+
+def _prefix(st: p.DaemonStatus) -> str:
+    pc = st.prefix_cache
+    if pc is None:
+        return "off"
+    rate = f"{pc.hit_tokens / pc.prompt_tokens:.0%}" if pc.prompt_tokens else "-"
+    return (
+        f"{pc.entries} kept, {_bytes(pc.bytes)} of {_bytes(pc.max_bytes)} "
+        f"({pc.scope} scope, blocks of {pc.block}); {pc.hit_tokens} of {pc.prompt_tokens} "
+        f"prompt tokens copied ({rate}), {pc.waits} waits, {pc.evictions} evictions"
+    )
 
 
 def _device(st: p.DaemonStatus) -> str:

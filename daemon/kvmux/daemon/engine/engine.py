@@ -7,7 +7,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import structlog
@@ -21,6 +21,7 @@ from kvmux.kv import (
     MemoryBudget,
     MemoryInfo,
     Placement,
+    PrefixCache,
     RowKvCache,
     classify_cause,
     cuda_memory,
@@ -80,10 +81,21 @@ class EngineOptions:
     max_batch: int = 64
     #: A chat template file that overrides the model's own (config model.chat_template).
     chat_template: Path | None = None
+    #: Keep prompt KV for sessions whose prompts begin alike (config kv.prefix_cache);
+    #: the scheduler uses it, ``generate`` and ``new_session`` do not.
+    prefix_cache: bool = True
+    prefix_block: int = 16
+    prefix_cache_bytes: int = 1 << 30
+    prefix_scope: Literal["owner", "shared"] = "owner"
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefix_block < 1 or self.prefix_cache_bytes < 0:
+            raise ValueError(
+                f"prefix_block must be >= 1 and prefix_cache_bytes >= 0, got "
+                f"{self.prefix_block} and {self.prefix_cache_bytes}"
+            )
         if self.rows_per_cohort < 1 or self.max_batch < 1:
             raise ValueError(
                 f"rows_per_cohort and max_batch must be >= 1, got "
@@ -186,6 +198,7 @@ class Engine:
             min_bucket=self.min_bucket,
             budget=self.budget,
         )
+        self.prefix = self._prefix_cache(switch)
         self._ids = itertools.count(1)
         self.runner = ModelRunner(
             self.ort,
@@ -196,6 +209,30 @@ class Engine:
             graphs=self.graphs_enabled,
         )
         self._planned: _Planned | None = None
+
+    def _prefix_cache(self, switch: int | None) -> PrefixCache | None:
+        opts = self.options
+        if not opts.prefix_cache:
+            return None
+        if switch is not None:
+            # Its rotary factors follow the width of the run that computed a token
+            # (see ModelFormatError above), so a prefix's KV depends on where the
+            # prompt it came from ended: another prompt's copy may not be its own.
+            log.info(
+                "prefix_cache_off",
+                reason=f"{self.spec.model_path.name} switches rotary factors past {switch} "
+                "tokens, so cached KV depends on the prompt it was computed for",
+            )
+            return None
+        return PrefixCache(
+            self.kv_spec,
+            budget=self.budget,
+            storage=self.pool.storage,
+            block=opts.prefix_block,
+            max_bytes=opts.prefix_cache_bytes,
+            scope=opts.prefix_scope,
+            min_bucket=self.min_bucket,
+        )
 
     @property
     def graphs_enabled(self) -> bool:
@@ -424,6 +461,10 @@ class Engine:
             return session.completion()
         finally:
             session.release()
+
+    def session_kv_bytes(self) -> int:
+        """KV bytes charged for sessions: the budget's, less the prefix cache's rows."""
+        return self.budget.used - (0 if self.prefix is None else self.prefix.bytes)
 
     def memory(self) -> MemoryInfo | None:
         """Memory as growth errors report it: the KV budget if one is set, else the device's."""

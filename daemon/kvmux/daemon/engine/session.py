@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvmux.kv import GrowthResult, HardMax, KvCache, ensure_capacity
+from kvmux.kv import (
+    GrowthResult,
+    HardMax,
+    Holder,
+    KvCache,
+    PrefixCache,
+    PromptKey,
+    RowKvCache,
+    ensure_capacity,
+)
 
 from .sampling import ResolvedSampling, Sampler, StepLogprobs, step_logprobs
 from .text import TextStream
@@ -53,6 +62,8 @@ class Completion:
     completion_tokens: int
     seed: int
     logprobs: list[TokenLogprobs] | None = None
+    #: Prompt tokens whose KV was copied from a cached prefix, not prefilled.
+    cached_tokens: int = 0
 
 
 class DecodeSession:
@@ -94,6 +105,7 @@ class DecodeSession:
         self.finish_reason: str | None = None
         self._chunk = engine.options.prefill_chunk
         self._prompt_pos = 0
+        self.cached_tokens = 0
         self._pending: int | None = None
         #: Its next token is the logits' argmax and nothing else (greedy, no penalty,
         #: no min_tokens, no logprobs): the engine may take it for a whole run at once.
@@ -142,6 +154,57 @@ class DecodeSession:
 
     def ensure_capacity(self) -> GrowthResult:
         return ensure_capacity(self.cache, self.required_capacity())
+
+    def fork_tokens(self, match: int) -> int:
+        """How many tokens of a cached prefix of ``match`` tokens (whose KV a whole
+        prompt's prefill would compute alike) this session starts on, so that every
+        logit it computes is the one prefilling its whole prompt computes.
+
+        onnxruntime computes a run of one token by another path than a chunk of
+        several, rounding differently; how many tokens a chunk holds otherwise does
+        not change a bit. So the prompt's last token is run alone exactly when this
+        session's own chunking would run it alone, and the rest of the prompt in
+        chunks of several: at most the prompt less one token, a multiple of the
+        chunk where its last chunk is one token, else one token less where the
+        copy would leave one token alone at the end."""
+        n, chunk = len(self.prompt_ids), self._chunk
+        tokens = min(match, n - 1)
+        if chunk > 1:
+            if (n - 1) % chunk == 0:
+                if tokens != n - 1:
+                    tokens = tokens // chunk * chunk
+            elif (n - tokens - 1) % chunk == 0:
+                tokens -= 1
+        return max(tokens, 0)
+
+    def exact_prefix(self) -> int:
+        """Leading prompt tokens whose KV this session computes (or copied) as prefilling
+        the whole prompt does: all, unless its last prompt token runs alone in a chunk
+        of one (once it has started: on a copy or not)."""
+        n, chunk, start = len(self.prompt_ids), self._chunk, self.cached_tokens
+        return n - 1 if chunk > 1 and (n - start - 1) % chunk == 0 else n
+
+    def start_from(
+        self, prefix: PrefixCache, holder: Holder, key: PromptKey, tokens: int
+    ) -> GrowthResult:
+        """Allocate the first bucket holding a copy of ``holder``'s first ``tokens`` prompt
+        tokens (a cached prefix of this prompt; see :meth:`fork_tokens`); prefill goes on
+        from there. Raises as a first allocation does, and then the session is as it
+        was: empty, its whole prompt to prefill."""
+        if self.cache.capacity or self._prompt_pos or not isinstance(self.cache, RowKvCache):
+            raise RuntimeError(f"session {self.session_id} has started; it cannot fork")
+        if not 0 < tokens < len(self.prompt_ids):
+            raise ValueError(f"cannot start on {tokens} of {len(self.prompt_ids)} prompt tokens")
+        n = len(self.prompt_ids)
+        required = tokens + min(n - tokens, self._chunk)
+        if required == n:
+            # The rest of the prompt fits one chunk: room for the first new token too,
+            # or the first decode step would grow (copying the prefix again) at once.
+            hard = self.cache.hard_max.value
+            required = n + 1 if hard is None else min(n + 1, hard)
+        result = prefix.fork(self.cache, holder, key, tokens, required)
+        self._prompt_pos = self.cached_tokens = tokens
+        return result
 
     # -- one step, as the engine drives it ------------------------------------
     def feed(self, into: StepOutput) -> list[int] | None:
@@ -238,6 +301,7 @@ class DecodeSession:
             completion_tokens=len(self.generated),
             seed=self.sampling.seed,
             logprobs=self._texted_logprobs(),
+            cached_tokens=self.cached_tokens,
         )
 
     def _texted_logprobs(self) -> list[TokenLogprobs] | None:

@@ -17,6 +17,16 @@ its verdicts.
 
 from ._admission import item_params, item_prompt
 from ._jobs import ItemState, JobState, Phase, Sink
+from ._prefix import prefix_stats
 from ._scheduler import Scheduler
 
-__all__ = ["ItemState", "JobState", "Phase", "Scheduler", "Sink", "item_params", "item_prompt"]
+__all__ = [
+    "ItemState",
+    "JobState",
+    "Phase",
+    "Scheduler",
+    "Sink",
+    "item_params",
+    "item_prompt",
+    "prefix_stats",
+]

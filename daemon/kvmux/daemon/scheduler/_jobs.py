@@ -10,7 +10,7 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 import anyio
 import msgspec
@@ -31,6 +31,9 @@ from ..config import JobsConfig
 from ..engine import Admission, DecodeSession
 from ..journal import Journal
 
+if TYPE_CHECKING:
+    from ._prefix import ItemPrefix
+
 log = structlog.get_logger("kvmux.scheduler")
 
 
@@ -40,7 +43,9 @@ class Sink(Protocol):
     def deliver(self, events: list[Event]) -> None: ...
 
 
-Phase = Literal["queued", "opening", "active", "growing", "parked", "failing", "done"]
+# "waiting": admitted, holding no KV yet, until another item's prefill of its
+# prompt's prefix is done (then it starts on a copy of it).
+Phase = Literal["queued", "opening", "waiting", "active", "growing", "parked", "failing", "done"]
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -87,6 +92,9 @@ class ItemState:
         if not self.result_bytes and self.result is not None:
             self.result_bytes = encoded_size(self.result)
         return self.result_bytes
+
+    # Its prompt as the prefix cache matches it, and its part in the cache while it runs.
+    prefix: ItemPrefix | None = None
 
     @property
     def session_id(self) -> str:

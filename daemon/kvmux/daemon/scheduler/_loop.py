@@ -28,6 +28,7 @@ from ..metrics import Metrics
 from ..worker import EngineWorker
 from ._jobs import ItemState, JobState, JobTable
 from ._outbox import Outbox, completed_result, error_result
+from ._prefix import PrefixPlanner, Start
 from ._queue import FairQueue
 
 log = structlog.get_logger("kvmux.scheduler")
@@ -43,6 +44,10 @@ _MAX_RUN_SECONDS = 0.25
 _MAX_RUN_STEPS = 1 << 30  # what fits before any bucket's room bounds it
 # Sessions of one admission the loop opens itself on the host (see _opens_inline).
 _INLINE_OPENS = 4
+# The most KV bytes those may copy from cached prefixes: about what the hop to the
+# model thread costs (1 MiB copies in ~0.1-0.3 ms; a 1,024-token prefix of
+# `small` is 16 MiB, milliseconds the event loop would be stuck).
+_INLINE_COPY_BYTES = 1 << 20
 
 _FAILURE_CODES = frozenset(
     {"kv_capacity_exceeded", "kv_growth_failed", "run_failed", "internal", "shutdown"}
@@ -94,6 +99,7 @@ class TurnLoop:
         self.jobs = JobTable(jobs_cfg)
         self.queue = FairQueue()
         self.outbox = Outbox()
+        self.prefix = PrefixPlanner(engine.prefix)
         self._active: list[ItemState] = []
         self._wake = anyio.Event()
         # Set whenever the loop is wanted (what poke() is for): a decode run on the
@@ -189,9 +195,11 @@ class TurnLoop:
         fails (its release is the loop's, when no step is in flight), when the
         next step does not fit a session's bucket (growth is the coordinator's,
         between runs), when the loop is wanted (poke: an arrival, a cancel, a
-        growth done) or after _MAX_RUN_SECONDS.
+        growth done), when a prefill that items wait for has got there (they start
+        on a copy of it between runs) or after _MAX_RUN_SECONDS.
         """
         started = time.perf_counter()
+        prefix = self.prefix
         while True:
             decoding = not any(s.prefilling for s in sessions)
             t = time.perf_counter()
@@ -201,6 +209,9 @@ class TurnLoop:
                 self._stop.is_set()
                 or not all(map(still_going, outputs))
                 or time.perf_counter() - started > _MAX_RUN_SECONDS
+                # Checked here, not by the loop: on short steps the next chunk would
+                # decode the donor to its end before a poke from the loop landed.
+                or (prefix.waiting and prefix.any_waiter_ready())
             ):
                 return chunk
             fit = _steps_that_fit(sessions)
@@ -262,35 +273,54 @@ class TurnLoop:
         gate = self.coordinator.starts(self._active)
         if gate is None:
             return
-        slots = self.cfg.max_active_sessions - len(self._active)
         batch: list[ItemState] = []
+        # Items that waited for another's prefill of their prefix were admitted first:
+        # while one of them cannot start, no younger item does.
+        held_back = False
+        for state in self.prefix.ready_waiters():
+            assert state.admission is not None
+            if not gate.admits(state.admission):
+                held_back = True
+                break
+            self.prefix.opening(state)
+            state.phase = "opening"
+            batch.append(state)
+        slots = self.cfg.max_active_sessions - len(self._active)
         active_by = Counter(s.job.owner for s in self._active)
-        while slots > 0 and self.queue:
+        while slots > 0 and self.queue and not held_back:
             state = self.queue.head(active_by)
             assert state.admission is not None
             if not gate.admits(state.admission):
                 break
             self.queue.take(state)
             active_by[state.job.owner] += 1
-            state.phase = "opening"
             if not state.admitted_seq:  # a preempted item keeps its place among the old
                 self._seq += 1
                 state.admitted_seq = self._seq
-            batch.append(state)
             slots -= 1
-        if not batch:
+            self._active.append(state)
+            if self.prefix.waits(state):
+                state.phase = "waiting"  # no memory yet: it opens on a copy once that is ready
+                continue
+            self.prefix.opening(state)
+            state.phase = "opening"
+            batch.append(state)
+        settle = self.engine.prefix is not None and self.engine.prefix.unsettled
+        if not batch and not settle:
             return
-        self._active.extend(batch)
         # First allocations are growths from nothing: made under the growth lock,
         # all in the call that opens the sessions, so a burst of new sessions
         # starts prefilling in this very turn instead of queueing for the lock.
+        # Rows the prefix cache keeps move to its own pool there too.
         async with self.coordinator.held() as waited:
-            if self._opens_inline(batch):
+            # A kept row's move copies a whole prompt's KV: not on the event loop.
+            if not settle and self._opens_inline(batch):
                 opened = self._open_all(batch)
             else:
                 opened = await self.worker.run(self._open_all, batch)
         refused: list[tuple[ItemState, GrowthFailed]] = []
         for state, (session, grown) in zip(batch, opened, strict=True):
+            self.prefix.opened(state, session)
             if session is None:
                 assert isinstance(grown, Exception)
                 state.phase = "failing"
@@ -305,6 +335,7 @@ class TurnLoop:
                 session_id=session.session_id,
                 index=state.index,
                 prompt_tokens=len(session.prompt_ids),
+                cached_tokens=session.cached_tokens,
                 hard_max=session.hard_max.value,
             )
             self.outbox.emit(
@@ -328,15 +359,23 @@ class TurnLoop:
     def _opens_inline(self, batch: list[ItemState]) -> bool:
         """Whether the loop opens ``batch`` itself: a few sessions whose first rows are
         host memory (~0.1 ms each, against ~1.4 ms for the hop to the model thread and
-        back on this 2-core VM), while no failpoint can make an allocation sleep."""
+        back on this 2-core VM) and copy little from cached prefixes, while no
+        failpoint can make an allocation sleep."""
         return (
-            len(batch) <= _INLINE_OPENS and not self.engine.on_cuda and not failpoints.any_active()
+            len(batch) <= _INLINE_OPENS
+            and not self.engine.on_cuda
+            and not failpoints.any_active()
+            and self.prefix.copy_tokens(batch) * self.engine.kv_spec.kv_bytes_per_token
+            <= _INLINE_COPY_BYTES
         )
 
     def _open_all(
         self, batch: list[ItemState]
     ) -> list[tuple[DecodeSession | None, GrowthResult | Exception]]:
-        """Open each session and allocate its first bucket; failures are per item."""
+        """Open each session and allocate its first bucket, on a copy of a cached prefix
+        of its prompt when there is one (a copy that fails leaves it to prefill the
+        whole prompt); failures are per item. Then the rows the prefix cache keeps move
+        to its own pool (under the same growth lock)."""
         out: list[tuple[DecodeSession | None, GrowthResult | Exception]] = []
         for state in batch:
             try:
@@ -345,11 +384,44 @@ class TurnLoop:
             except Exception as exc:  # noqa: BLE001 - that item fails alone
                 out.append((None, exc))
                 continue
+            start = self.prefix.start(state)
+            if start is not None and self._start_from(state, session, start, out):
+                continue
             try:
                 out.append((session, session.ensure_capacity()))
             except Exception as exc:  # noqa: BLE001 - GrowthFailed left it empty and usable
                 out.append((session, exc))
+        if self.engine.prefix is not None and self.engine.prefix.unsettled:
+            self.engine.prefix.settle()
         return out
+
+    def _start_from(
+        self,
+        state: ItemState,
+        session: DecodeSession,
+        start: Start,
+        out: list[tuple[DecodeSession | None, GrowthResult | Exception]],
+    ) -> bool:
+        """Allocate ``session``'s first bucket on a copy of the prefix ``start`` names;
+        False (the session as it was) when there is nothing worth copying or the copy
+        fails: the cache never fails an item."""
+        assert self.engine.prefix is not None
+        tokens = session.fork_tokens(start.tokens)
+        if tokens < 1:
+            return False
+        try:
+            grown = session.start_from(self.engine.prefix, start.holder, start.key, tokens)
+        except Exception as exc:  # noqa: BLE001 - falls back to prefilling the whole prompt
+            log.warning(
+                "prefix_fork_failed",
+                job_id=state.job.job_id,
+                session_id=state.session_id,
+                tokens=tokens,
+                error=f"{type(exc).__name__}: {exc}"[:500],
+            )
+            return False
+        out.append((session, grown))
+        return True
 
     def _judge(self, state: ItemState, outcome: GrowthResult | Exception, waited: float) -> None:
         with structlog.contextvars.bound_contextvars(
@@ -435,8 +507,11 @@ class TurnLoop:
         if session is not None:
             freed = session.kv_bytes
             capacity = session.capacity
-            session.release()
             state.session = None
+        # What it prefilled may stay for later prompts that begin alike, unless
+        # memory is wanted right now (a parked session waits for it).
+        keep = result.status == "ok" and not any(s.phase == "parked" for s in self._active)
+        self.prefix.leave(state, session, keep=keep)
         if state in self._active:
             self._active.remove(state)
         state.result = result
@@ -480,7 +555,7 @@ class TurnLoop:
         decodes again from the start when memory allows (same seed, same tokens)."""
         session = state.session
         assert session is not None and state.admission is not None
-        session.release()
+        self.prefix.leave(state, session, keep=False)
         state.session = None
         state.preemptions += 1
         state.phase = "queued"

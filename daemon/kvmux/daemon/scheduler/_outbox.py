@@ -69,6 +69,7 @@ def completed_result(state: ItemState, done: Completion) -> ItemResult:
             done.prompt_tokens,
             done.completion_tokens,
             done.prompt_tokens + done.completion_tokens,
+            done.cached_tokens,
         ),
         seed=done.seed,
         logprobs=_wire_logprobs(done.logprobs),
