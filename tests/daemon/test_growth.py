@@ -99,11 +99,18 @@ async def test_lock_keeps_transient_peaks_apart(
         )
         for i in range(n)
     ]
-    # Without the lock the peaks overlap only if the copies do. The 8 growths start a
-    # few ms apart (sessions come back from their last growth one by one); with 50 ms
-    # copies a loaded CI machine once let every one of them fit, so these copies are slow.
+    # Without the lock the peaks overlap only if the copies do, and the growths' 4
+    # threads alone keep the 64 -> 128 peaks within the budget (8 x 64 + 4 x 128 fits)
+    # unless sessions that grew first are still decoding at 128 when the others copy:
+    # a race, which sessions that finish a few ms after their growth sometimes won.
+    # So every growth gets a thread, and the copies are slow: all eight 0.3 s copies
+    # of one step overlap (8 x 64 + 8 x 128 is over the budget) however the loop's
+    # ms-apart starts fall.
     failpoints.slow("kv.copy_prefix", 0.05 if serialize else 0.3)
-    async with running(cfg, serialize_growth=serialize) as daemon, connected(daemon) as client:
+    async with (
+        running(cfg, serialize_growth=serialize, growth_threads=n) as daemon,
+        connected(daemon) as client,
+    ):
         job = await client.submit(items)
         results = await job.results()
         status = await client.status()

@@ -121,6 +121,7 @@ class Daemon:
         config: Config,
         *,
         serialize_growth: bool = True,
+        growth_threads: int = 4,
         notifier: Notifier | None = None,
     ) -> None:
         self.config = config
@@ -132,7 +133,9 @@ class Daemon:
         self.worker = EngineWorker()
         self.metrics = Metrics()
         self.coordinator = GrowthCoordinator(
-            serialize=serialize_growth, on_wait=self.metrics.lock_wait.observe
+            serialize=serialize_growth,
+            threads=growth_threads,
+            on_wait=self.metrics.lock_wait.observe,
         )
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
