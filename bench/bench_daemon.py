@@ -340,9 +340,14 @@ def greedy_items(prompts: list[list[int]], n_new: int) -> list[Item]:
 
 
 async def run_daemon(client: Client, prompts: list[list[int]], n_new: int) -> Run:
-    """One job of N items through the client; latencies as the client sees them."""
-    items = greedy_items(prompts, n_new)
-    run = Run("daemon", 0.0, {})
+    """One job of N greedy items through the client; latencies as the client sees them."""
+    return await run_items(client, greedy_items(prompts, n_new), "daemon")
+
+
+async def run_items(client: Client, items: list[Item], name: str) -> Run:
+    """One job of ``items`` through the client; TTFT and per-token latencies as the
+    client sees them, from the submit."""
+    run = Run(name, 0.0, {})
     t0 = time.perf_counter()
     clock = _Clock(t0, run)
     job = await client.submit(items)
@@ -354,7 +359,7 @@ async def run_daemon(client: Client, prompts: list[list[int]], n_new: int) -> Ru
         elif isinstance(ev, p.ItemFinished):
             r = ev.result
             if r.status != "ok":
-                raise RuntimeError(f"daemon item {r.custom_id} failed: {r.error}")
+                raise RuntimeError(f"{name} item {r.custom_id} failed: {r.error}")
             run.tokens[r.index] = r.token_ids
     run.wall = time.perf_counter() - t0
     job.close()  # the client keeps every job it routes events to until closed

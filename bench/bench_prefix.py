@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from bench.bench_daemon import Run, _Clock, kvmuxd, pct
+from bench.bench_daemon import Run, kvmuxd, pct, run_items
 from bench.common import builtin, write_json
 from kvmux.client import Client, Item
 from kvmux.client import protocol as p
@@ -123,27 +122,6 @@ def unshared_items(n: int, prompt: int, vocab: int, seed: int = 2) -> list[Item]
     ]
 
 
-async def run_job(client: Client, items: list[Item]) -> Run:
-    """One job of ``items``; TTFT as the client sees it, from the submit."""
-    run = Run("kvmuxd", 0.0, {})
-    t0 = time.perf_counter()
-    clock = _Clock(t0, run)
-    job = await client.submit(items)
-    async for ev in job.events():
-        now = time.perf_counter()
-        if isinstance(ev, p.TokenDelta):
-            if ev.token_ids:
-                clock.tokens(ev.index, len(ev.token_ids), now)
-        elif isinstance(ev, p.ItemFinished):
-            r = ev.result
-            if r.status != "ok":
-                raise RuntimeError(f"item {r.custom_id} failed: {r.error}")
-            run.tokens[r.index] = r.token_ids
-    run.wall = time.perf_counter() - t0
-    job.close()
-    return run
-
-
 def _cache_delta(before: p.DaemonStatus, after: p.DaemonStatus) -> dict[str, Any]:
     a, b = after.prefix_cache, before.prefix_cache
     if a is None or b is None:
@@ -164,7 +142,7 @@ def _cache_delta(before: p.DaemonStatus, after: p.DaemonStatus) -> dict[str, Any
 
 async def measure(client: Client, items: list[Item], side: Side) -> None:
     before = await client.status()
-    side.runs.append(await run_job(client, items))
+    side.runs.append(await run_items(client, items, "kvmuxd"))
     after = await client.status()
     delta = _cache_delta(before, after)
     for key, value in delta.items():
