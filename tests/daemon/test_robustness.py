@@ -73,8 +73,15 @@ async def test_fuzzed_frames_get_typed_errors_and_the_daemon_keeps_serving(
 ) -> None:
     rng = random.Random(20261202)
     cases = malformed_frames(rng, 3000)
-    # A budget that answers every frame: what is checked here is each reply.
-    cfg = make_config(tiny_model, sock_dir, server={"bad_frame_burst": 10_000})
+    # Budgets that answer every frame: what is checked here is each reply. Frames
+    # that parse but fail validation are requests, which [budget] charges their loop
+    # time (a loaded machine once answered the last of them `overloaded`).
+    cfg = make_config(
+        tiny_model,
+        sock_dir,
+        server={"bad_frame_burst": 10_000},
+        budget={"connection_rate": 0, "owner_rate": 0},
+    )
     async with running(cfg) as daemon:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)

@@ -87,14 +87,13 @@ class ItemState:
     preemptions: int = 0
     # Its result's encoded size, once known (the journal measures it as it writes).
     result_bytes: int = 0
+    # Its prompt as the prefix cache matches it, and its part in the cache while it runs.
+    prefix: ItemPrefix | None = None
 
     def result_size(self) -> int:
         if not self.result_bytes and self.result is not None:
             self.result_bytes = encoded_size(self.result)
         return self.result_bytes
-
-    # Its prompt as the prefix cache matches it, and its part in the cache while it runs.
-    prefix: ItemPrefix | None = None
 
     @property
     def session_id(self) -> str:
