@@ -11,12 +11,15 @@ Measured in one run, alternating the sides each repeat so drift hits both alike:
 - **batch**: one file of chat lines (default 20,000) through ``/v1/files`` +
   ``/v1/batches`` (polled until completed, output downloaded) against ``kvmux
   submit`` of the same file to the same daemon: wall time and lines/s.
+- **floor**: one streaming chat request at a time through the SDK, and through bare
+  ``httpx``, against a Starlette/uvicorn server that answers at once with one chunk:
+  the first token's cost before any daemon does anything.
 - **idle**: 1,000 TCP connections opened to the HTTP port and left idle while a
   client keeps asking; the daemon's RSS before and while they are held, the
   client's latency, and how soon the daemon closes them (``http.header_timeout``).
 
 Usage: python -m bench.bench_http [--quick] [--sizes 1,16,64] [--tokens T]
-[--repeats R] [--lines L] [--idle N] [--only streams,batch,idle]
+[--repeats R] [--lines L] [--idle N] [--floor F] [--only floor,streams,batch,idle]
 """
 
 from __future__ import annotations
@@ -312,9 +315,92 @@ async def idle(daemon: DaemonProcess, n: int) -> dict[str, Any]:
     return row
 
 
+# -- the floor: the SDK and HTTP with a server that does nothing ------------------------
+# Starlette on uvicorn (httptools), the stack kvmuxd's front stands on, answering a
+# streaming chat request with one content chunk at once: what a TTFT through the SDK
+# costs before any daemon does anything.
+_STUB = """
+import json, sys
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+CHUNK = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+         "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"},
+                      "finish_reason": None}]}
+
+async def chat(request):
+    await request.body()
+    async def chunks():
+        yield b"data: " + json.dumps(CHUNK).encode() + b"\\n\\n"
+        yield b"data: [DONE]\\n\\n"
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", http="httptools")
+"""
+
+
+async def floor(requests: int) -> dict[str, Any]:
+    """Time to the first content chunk against the do-nothing server: through the
+    ``openai`` SDK, and through bare ``httpx`` (alternating, one at a time)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    stub = await anyio.open_process([sys.executable, "-c", _STUB, str(port)])
+    ttft: dict[str, list[float]] = {"sdk": [], "httpx": []}
+    try:
+        with anyio.fail_after(30):
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port)).close()
+                    break
+                except OSError:
+                    await anyio.sleep(0.1)
+        body = {"model": MODEL, "messages": messages(1), "max_tokens": 64, "stream": True}
+        async with (
+            openai.AsyncOpenAI(base_url=url, api_key="-", max_retries=0) as sdk,
+            httpx.AsyncClient(base_url=url) as raw,
+        ):
+            for r in range(requests + 20):  # the first 20 of each warm up
+                for side in ("sdk", "httpx") if r % 2 else ("httpx", "sdk"):
+                    t0 = time.perf_counter()
+                    if side == "sdk":
+                        stream = await sdk.chat.completions.create(
+                            model=MODEL, messages=messages(1), max_tokens=64, stream=True
+                        )
+                        async for chunk in stream:
+                            if chunk.choices and chunk.choices[0].delta.content:
+                                break
+                        took = time.perf_counter() - t0
+                        await stream.close()
+                    else:
+                        async with raw.stream("POST", "/chat/completions", json=body) as resp:
+                            async for line in resp.aiter_lines():
+                                if line.startswith("data: {"):
+                                    break
+                            took = time.perf_counter() - t0
+                    if r >= 20:
+                        ttft[side].append(took)
+    finally:
+        stub.terminate()
+        await stub.wait()
+    row = {
+        "requests": requests,
+        **{f"{side}_ttft_p50_ms": round(1000 * _pct(v, 0.5), 2) for side, v in ttft.items()},
+        **{f"{side}_ttft_p90_ms": round(1000 * _pct(v, 0.9), 2) for side, v in ttft.items()},
+    }
+    print(f"floor: {row}", flush=True)
+    return row
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = builtin(MODEL)
     out: dict[str, Any] = {"model": MODEL, "threads": args.threads}
+    if "floor" in args.only:
+        out["floor"] = await floor(args.floor)
     async with kvmuxd(model, threads=args.threads, tables=tables()) as daemon:
         if "streams" in args.only:
             out["streams"] = await streams(daemon, args.sizes, args.tokens, args.repeats)
@@ -334,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lines", type=int, default=0, help="batch lines (default 20000)")
     parser.add_argument("--idle", type=int, default=1000, help="idle connections")
     parser.add_argument("--threads", type=int, default=1, help="the daemon's intra-op threads")
-    parser.add_argument("--only", default="streams,batch,idle", help="which parts to run")
+    parser.add_argument("--floor", type=int, default=300, help="requests per side, floor")
+    parser.add_argument("--only", default="floor,streams,batch,idle", help="which parts to run")
     args = parser.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.repeats = args.repeats or (2 if args.quick else 4)
