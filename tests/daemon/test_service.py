@@ -25,7 +25,7 @@ import zmq.auth
 from kvmux.client import Client, DaemonUnreachable, Item, ShuttingDown
 from kvmux.client import protocol as p
 from kvmux.client.curve import load_curve
-from kvmux.daemon.config import ConfigError, parse_config
+from kvmux.daemon.config import EX_CONFIG, ConfigError, parse_config
 from kvmux.daemon.notify import Notifier
 
 from .conftest import connected, make_config, running
@@ -45,9 +45,9 @@ def write_config(path: Path, model: Path, endpoint: str, extra: str = "") -> Pat
 
 
 @contextmanager
-def kvmuxd_process(config: Path, **env: str) -> Iterator[subprocess.Popen[str]]:
+def kvmuxd_process(config: Path, *args: str, **env: str) -> Iterator[subprocess.Popen[str]]:
     with subprocess.Popen(
-        [sys.executable, "-m", "kvmux.daemon", "--config", str(config)],
+        [sys.executable, "-m", "kvmux.daemon", "--config", str(config), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -232,6 +232,45 @@ async def test_sighup_reopens_the_log_file(
     old = [json.loads(line)["event"] for line in rotated.read_text().splitlines()]
     new = [json.loads(line)["event"] for line in log_file.read_text().splitlines()]
     assert "daemon_ready" in old and "log_reopened" in new and "daemon_stopped" in new
+
+
+async def test_instances_of_one_config_each_keep_their_own_journal(
+    tiny_model: Path, sock_dir: Path, tmp_path: Path
+) -> None:
+    """kvmuxd@N's way: one config file naming a journal, each instance its own socket
+    and --journal. Without --journal the second instance is refused, saying why."""
+    shared = tmp_path / "shared.sqlite3"
+    cfg = write_config(
+        tmp_path / "k.toml",
+        tiny_model,
+        f"ipc://{sock_dir}/unused.sock",
+        f'[jobs]\njournal = "{shared}"\n',
+    )
+    ends = [f"ipc://{sock_dir}/gpu{n}.sock" for n in range(3)]
+    journals = [tmp_path / f"gpu{n}" / "jobs.sqlite3" for n in range(2)]
+    item = Item(prompt="one", max_new_tokens=4, temperature=0.0)
+    with (
+        kvmuxd_process(cfg, "--endpoint", ends[0], "--journal", str(journals[0])) as first,
+        kvmuxd_process(cfg, "--endpoint", ends[1], "--journal", str(journals[1])) as second,
+    ):
+        got = []
+        for end, proc in ((ends[0], first), (ends[1], second)):
+            client = await wait_connected(end, proc)
+            try:
+                got.append(await (await client.submit([item])).results())
+            finally:
+                await client.close()
+        assert [r[0].status for r in got] == ["ok", "ok"]
+        assert got[0][0].token_ids == got[1][0].token_ids
+        # Both journals exist and are held; the config's own path is nobody's.
+        assert all(j.exists() for j in journals) and not shared.exists()
+        with kvmuxd_process(cfg, "--endpoint", ends[2], "--journal", str(journals[0])) as third:
+            out, err = await anyio.to_thread.run_sync(lambda: third.communicate(timeout=60))
+        assert third.returncode == EX_CONFIG
+        assert f"the job journal {journals[0]} is in use by another kvmuxd" in out + err
+        for proc in (first, second):
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
 
 
 # -- the units --------------------------------------------------------------------------------

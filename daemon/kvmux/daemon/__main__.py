@@ -21,7 +21,15 @@ import structlog
 from kvmux.kv import KvConfigError
 
 from .app import DAEMON_VERSION, Daemon
-from .config import EX_CONFIG, Config, ConfigError, load_config, with_endpoint, with_http
+from .config import (
+    EX_CONFIG,
+    Config,
+    ConfigError,
+    load_config,
+    with_endpoint,
+    with_http,
+    with_journal,
+)
 from .engine import EngineError
 from .journal import JournalError
 from .logs import close_log_file, configure_logging, reopen_log_file
@@ -81,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HOST:PORT",
         help='serve OpenAI\'s HTTP API here instead of http.listen ("" turns it off)',
     )
+    ap.add_argument(
+        "--journal",
+        metavar="PATH",
+        help='keep the job journal here instead of jobs.journal ("" keeps jobs in memory only)',
+    )
     ap.add_argument("--version", action="version", version=f"%(prog)s {DAEMON_VERSION}")
     ap.add_argument(
         "--check-config", action="store_true", help="validate the config and exit (0 if valid)"
@@ -92,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             config = with_endpoint(config, args.endpoint)
         if args.http is not None:
             config = with_http(config, args.http)
+        if args.journal is not None:
+            config = with_journal(config, args.journal)
     except ConfigError as exc:
         print(f"kvmuxd: invalid config: {exc}", file=sys.stderr)
         return EX_CONFIG

@@ -295,6 +295,14 @@ def with_http(cfg: Config, listen: str, *, source: str = "--http") -> Config:
     return replaced
 
 
+def with_journal(cfg: Config, journal: str, *, source: str = "--journal") -> Config:
+    """``cfg`` keeping its job journal at ``journal`` instead ("" = memory only: kvmuxd
+    --journal), checked: one config file for every ``kvmuxd@N``, each its own journal."""
+    replaced = msgspec.structs.replace(cfg, jobs=msgspec.structs.replace(cfg.jobs, journal=journal))
+    _check(replaced, source)
+    return replaced
+
+
 def toml_config(tables: Mapping[str, Mapping[str, object]]) -> str:
     """A config file's text from ``{table: {key: value}}``: every kvmuxd table is flat,
     so this is all a program that writes configs for kvmuxd needs (no TOML writer in

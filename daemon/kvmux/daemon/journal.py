@@ -385,7 +385,7 @@ def _lock(path: Path) -> IO[bytes]:
         lock.close()
         raise JournalError(
             f"the job journal {path} is in use by another kvmuxd (its lock {path}.lock is "
-            "held); stop that daemon, or give this one its own jobs.journal"
+            "held); stop that daemon, or give this one its own jobs.journal (kvmuxd --journal)"
         ) from None
     return lock
 
