@@ -46,14 +46,26 @@ def requests_file(path: Path, n: int, max_tokens: int = 12, bad: tuple[int, ...]
     return path
 
 
-async def run_batch(sdk: Any, path: Path, **extra: Any) -> Any:
+async def start_batch(sdk: Any, path: Path, **extra: Any) -> Any:
+    """Upload ``path`` and create a batch of it, as OpenAI's guide does."""
     with path.open("rb") as f:
         upload = await sdk.files.create(file=f, purpose="batch")
     batch = await sdk.batches.create(
         input_file_id=upload.id, endpoint=CHAT, completion_window="24h", **extra
     )
     assert batch.status == "validating" and batch.input_file_id == upload.id
-    return await wait_done(sdk, batch.id)
+    return batch
+
+
+async def run_batch(sdk: Any, path: Path, **extra: Any) -> Any:
+    return await wait_done(sdk, (await start_batch(sdk, path, **extra)).id)
+
+
+async def wait_completed(sdk: Any, batch_id: str, n: int, timeout: float) -> None:
+    """Until at least ``n`` of the batch's requests have completed."""
+    with anyio.fail_after(timeout):
+        while (await sdk.batches.retrieve(batch_id)).request_counts.completed < n:
+            await anyio.sleep(0.02)
 
 
 async def wait_done(sdk: Any, batch_id: str, timeout: float = 90.0) -> Any:
@@ -158,14 +170,8 @@ async def test_a_cancelled_batch_keeps_what_finished_and_names_the_rest(
     sdk: Any, tmp_path: Path
 ) -> None:
     path = requests_file(tmp_path / "long.jsonl", 60, max_tokens=400)
-    with path.open("rb") as f:
-        upload = await sdk.files.create(file=f, purpose="batch")
-    batch = await sdk.batches.create(
-        input_file_id=upload.id, endpoint=CHAT, completion_window="24h"
-    )
-    with anyio.fail_after(30):
-        while (await sdk.batches.retrieve(batch.id)).request_counts.completed < 3:
-            await anyio.sleep(0.05)
+    batch = await start_batch(sdk, path)
+    await wait_completed(sdk, batch.id, 3, timeout=30)
     cancelling = await sdk.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     batch = await wait_done(sdk, batch.id)

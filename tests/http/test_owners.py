@@ -17,7 +17,7 @@ from kvmux.daemon.config import EX_CONFIG, toml_config
 from kvmux.daemon.http.keys import new_key
 
 from .conftest import MODEL, httpx, openai, started
-from .test_batches import CHAT, kvmux, requests_file, wait_done
+from .test_batches import CHAT, kvmux, requests_file, run_batch
 
 pytestmark = pytest.mark.anyio
 
@@ -36,17 +36,12 @@ async def test_each_owner_sees_only_its_own_files_and_batches(
     with started(tiny_model, {"http": {"api_keys": str(keys)}}) as daemon:
         url = daemon.http_url
         async with sdk_for(url, alice) as a, sdk_for(url, bob) as b, sdk_for(url, root) as op:
-            with requests_file(tmp_path / "in.jsonl", 3).open("rb") as f:
-                upload = await a.files.create(file=f, purpose="batch")
-            batch = await a.batches.create(
-                input_file_id=upload.id, endpoint=CHAT, completion_window="24h"
-            )
-            batch = await wait_done(a, batch.id)
+            batch = await run_batch(a, requests_file(tmp_path / "in.jsonl", 3))
             assert batch.status == "completed"
             for call, arg in (
-                (b.files.retrieve, upload.id),
-                (b.files.content, upload.id),
-                (b.files.delete, upload.id),
+                (b.files.retrieve, batch.input_file_id),
+                (b.files.content, batch.input_file_id),
+                (b.files.delete, batch.input_file_id),
                 (b.files.content, batch.output_file_id),
                 (b.batches.retrieve, batch.id),
                 (b.batches.cancel, batch.id),
@@ -57,13 +52,13 @@ async def test_each_owner_sees_only_its_own_files_and_batches(
                 assert "never" not in info.value.message and arg in info.value.message
             with pytest.raises(openai.NotFoundError):  # nor can he batch alice's file
                 await b.batches.create(
-                    input_file_id=upload.id, endpoint=CHAT, completion_window="24h"
+                    input_file_id=batch.input_file_id, endpoint=CHAT, completion_window="24h"
                 )
             assert [f async for f in b.files.list()] == []
             assert [x async for x in b.batches.list()] == []
             # An operator sees everyone's; the owner still sees hers.
             assert batch.id in [x.id async for x in op.batches.list()]
-            assert (await a.files.retrieve(upload.id)).id == upload.id
+            assert (await a.files.retrieve(batch.input_file_id)).id == batch.input_file_id
             # Alice's batch is alice's job: the socket's anonymous owner does not see it.
             listed = await kvmux(daemon, "jobs", "--json")
             assert f"batch {batch.id}" not in listed

@@ -7,11 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from .conftest import openai, started
-from .test_batches import CHAT, answers, lines_of, requests_file, wait_done
+from .test_batches import (
+    CHAT,
+    answers,
+    lines_of,
+    requests_file,
+    start_batch,
+    wait_completed,
+    wait_done,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -26,14 +33,8 @@ async def test_a_batch_survives_a_sigkill_and_writes_each_line_once(
     path = requests_file(tmp_path / "in.jsonl", 60, max_tokens=48)
     with started(tiny_model, tables) as first:
         async with openai.AsyncOpenAI(base_url=first.http_url + "/v1", api_key="-") as sdk:
-            with path.open("rb") as f:
-                upload = await sdk.files.create(file=f, purpose="batch")
-            batch = await sdk.batches.create(
-                input_file_id=upload.id, endpoint=CHAT, completion_window="24h"
-            )
-            with anyio.fail_after(60):
-                while (await sdk.batches.retrieve(batch.id)).request_counts.completed < 10:
-                    await anyio.sleep(0.02)
+            batch = await start_batch(sdk, path)
+            await wait_completed(sdk, batch.id, 10, timeout=60)
         first.proc.kill()  # SIGKILL: no drain, no goodbye
         first.proc.wait()
     with started(tiny_model, tables) as second:
@@ -48,8 +49,8 @@ async def test_a_batch_survives_a_sigkill_and_writes_each_line_once(
             assert done.error_file_id is None
             # The same file, uninterrupted, on the same daemon: the same tokens.
             again = await sdk.batches.create(
-                input_file_id=upload.id, endpoint=CHAT, completion_window="24h"
+                input_file_id=batch.input_file_id, endpoint=CHAT, completion_window="24h"
             )
             again = await wait_done(sdk, again.id)
             assert answers(await lines_of(sdk, again.output_file_id)) == got
-            assert (await sdk.files.retrieve(upload.id)).bytes == path.stat().st_size
+            assert (await sdk.files.retrieve(batch.input_file_id)).bytes == path.stat().st_size
