@@ -74,6 +74,11 @@ def test_token_prompts_and_defaults() -> None:
         custom_id="line-4", prompt_tokens=[1, 2, 3], line=4
     )
     assert one(line({"prompt_tokens": [5], "seed": None}), 2).prompt_tokens == [5]
+    # JSON null is "not given", for the id too: the line names it, in both formats.
+    assert one(line({"prompt": "x", "custom_id": None}), 6).custom_id == "line-6"
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    openai_line = {"custom_id": None, "url": "/v1/chat/completions", "body": chat}
+    assert one(line(openai_line), 7).custom_id == "line-7"
     assert one(line({"prompt": "x", "max_new_tokens": 3}), 1).max_new_tokens == 3
 
 

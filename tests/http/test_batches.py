@@ -15,7 +15,7 @@ import pytest
 
 from bench.bench_daemon import DaemonProcess
 
-from .conftest import MODEL, openai
+from .conftest import MODEL, openai, started
 
 pytestmark = pytest.mark.anyio
 
@@ -223,3 +223,25 @@ async def test_what_a_batch_cannot_be_is_refused(sdk: Any, tmp_path: Path) -> No
         await sdk.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="purpose"):
         await sdk.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+
+
+async def test_a_batch_feeds_its_job_within_max_job_items_however_many_choices(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """10 lines of n = 3 are 30 items: more than one message may carry where
+    scheduler.max_job_items is 8, so the batch feeds them in several, never failing."""
+    path = tmp_path / "choices.jsonl"
+    body = {"model": MODEL, "max_tokens": 4, "n": 3, "temperature": 0.5, "seed": 1}
+    lines = [
+        batch_line(f"c{i}", {**body, "messages": [{"role": "user", "content": f"q {i}"}]})
+        for i in range(10)
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with started(tiny_model, {"scheduler": {"max_job_items": 8}}) as daemon:
+        async with openai.AsyncOpenAI(base_url=daemon.http_url + "/v1", api_key="-") as sdk:
+            batch = await run_batch(sdk, path)
+            assert batch.status == "completed", batch
+            assert (batch.request_counts.completed, batch.request_counts.failed) == (10, 0)
+            got = answers(await lines_of(sdk, batch.output_file_id))
+            assert sorted(got) == sorted(f"c{i}" for i in range(10))
+            assert all(len(choices) == 3 for choices in got.values())

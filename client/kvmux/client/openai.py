@@ -227,6 +227,8 @@ def to_items(
     choice; ``line`` is echoed in each."""
     # JSON null means "not given" (OpenAI files write "stop": null).
     given = {k: whole(v) if k in _INTEGERS else v for k, v in fields.items() if v is not None}
+    if line is not None:  # a batch line without a custom_id (or with null) is named by its line
+        given.setdefault("custom_id", f"line-{line}")
     names: dict[str, str] = {k: k if k == "custom_id" else prefix + k for k in given}
 
     def rename(old: str, new: str) -> None:
@@ -440,7 +442,7 @@ _ERROR_TYPE = {
 # Items stopped before they finished, not failed by what they asked.
 _STOPPED = frozenset({"cancelled", "shutdown"})
 # kvmux's codes under the names OpenAI gives the same failures.
-_CODES = {"kv_capacity_exceeded": "context_length_exceeded"}
+_CODES = {"kv_capacity_exceeded": "context_length_exceeded", "unauthorized": "invalid_api_key"}
 
 
 def http_status(code: str) -> int:
@@ -477,18 +479,22 @@ def completion_id(chat: bool) -> str:
 def usage(results: list[p.ItemResult], chat: bool) -> dict[str, Any]:
     """OpenAI's usage of one request's choices: each prompt counted once, however
     many choices (``n``) it has, as OpenAI counts them."""
-    used = [(r, r.usage) for r in results if r.usage is not None]
-    completion = sum(u.completion_tokens for _, u in used)
+    completion = 0
     # A chat request has one conversation; a completions request may hold several
-    # prompts, ``n`` choices each.
-    prompts = {0 if chat else r.choice // r.n: u.prompt_tokens for r, u in used}
-    prompt = sum(prompts.values())
-    # A prompt's cached tokens are those none of its choices prefilled: with n > 1
-    # the first choice prefills what the others copy, and that was computed.
+    # prompts, ``n`` choices each. A prompt's cached tokens are those none of its
+    # choices prefilled: with n > 1 the first choice prefills what the others copy,
+    # and that was computed.
+    prompts: dict[int, int] = {}
     cached: dict[int, int] = {}
-    for r, u in used:
+    for r in results:
+        u = r.usage
+        if u is None:
+            continue
+        completion += u.completion_tokens
         k = 0 if chat else r.choice // r.n
+        prompts[k] = u.prompt_tokens
         cached[k] = min(cached.get(k, u.cached_tokens), u.cached_tokens)
+    prompt = sum(prompts.values())
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -208,6 +208,8 @@ def _parse_object(obj: dict[str, Any], line: int) -> list[p.Item]:
     except LineError as exc:
         exc.custom_id = custom_id
         raise
+    except RequestError as exc:
+        raise LineError(line, exc.message, custom_id) from None
 
 
 def _native(obj: dict[str, Any], line: int) -> list[p.Item]:
@@ -219,12 +221,7 @@ def _native(obj: dict[str, Any], line: int) -> list[p.Item]:
             f"{names_of(sorted(NATIVE_FIELDS))} (or an OpenAI batch line: custom_id, method, "
             "url, body)",
         )
-    fields = dict(obj)
-    fields.setdefault("custom_id", f"line-{line}")
-    try:
-        return to_items(fields, line=line)
-    except RequestError as exc:
-        raise LineError(line, exc.message) from None
+    return to_items(obj, line=line)
 
 
 def _openai(obj: dict[str, Any], line: int) -> list[p.Item]:
@@ -238,13 +235,6 @@ def _openai(obj: dict[str, Any], line: int) -> list[p.Item]:
     method = obj.get("method", "POST")
     if method != "POST":
         raise LineError(line, f"method {method!r} is not supported; OpenAI batch lines use POST")
-    try:
-        return body_items(
-            obj.get("url"),
-            obj.get("body"),
-            prefix="body.",
-            custom_id=obj.get("custom_id", f"line-{line}"),
-            line=line,
-        )
-    except RequestError as exc:
-        raise LineError(line, exc.message) from None
+    return body_items(
+        obj.get("url"), obj.get("body"), prefix="body.", custom_id=obj.get("custom_id"), line=line
+    )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import secrets
 import time
 from collections.abc import Iterator
@@ -78,7 +77,8 @@ Status = Literal[
 ]
 _ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 WINDOWS = {"24h": 24 * 3600}
-# Lines per message into the batch's job (never more than scheduler.max_job_items).
+# Lines per message into the batch's job at most (fewer where their items and
+# refusals would pass scheduler.max_job_items: see _messages).
 _FEED_LINES = 256
 _MAX_ERRORS = 1000  # errors.data entries a failed validation lists
 
@@ -314,7 +314,7 @@ class Batches:
         self.files = files
         self.journal = journal
         self.cfg = cfg
-        self.max_choices = min(scheduler_cfg.max_job_items, 1 << 16)
+        self.max_choices = scheduler_cfg.max_job_items
         self.model = model
         self.records: dict[str, BatchRecord] = {}
         self._sinks: dict[str, _Sink] = {}
@@ -508,11 +508,12 @@ class Batches:
         source = self.files.find(record.input_file_id, OPERATOR)
         start = 1 + max((s.line or 0 for s in job.items), default=0)
         lines = entries(self.files.path(source), record.endpoint, start, self.max_choices)
+        messages = _messages(lines, self.max_choices)
         while not record.stop and job.open:
-            chunk = await anyio.to_thread.run_sync(_take, lines, _FEED_LINES)
+            chunk, last = await anyio.to_thread.run_sync(next, messages)
             items = [i for _, _, e in chunk if isinstance(e, list) for i in e]
             rejected = [e for _, _, e in chunk if isinstance(e, p.Rejected)]
-            await self._add(record, job.job_id, items, rejected, last=len(chunk) < _FEED_LINES)
+            await self._add(record, job.job_id, items, rejected, last=last)
         if record.stop and job.open:
             self.service.scheduler.jobs.close(job)
 
@@ -695,8 +696,22 @@ def _stopping(record: BatchRecord) -> bool:
     return record.stop != ""
 
 
-def _take(lines: Iterator[Any], n: int) -> list[Any]:
-    return list(itertools.islice(lines, n))
+def _messages(
+    lines: Iterator[tuple[int, str, list[p.Item] | p.Rejected]], cap: int
+) -> Iterator[tuple[list[tuple[int, str, list[p.Item] | p.Rejected]], bool]]:
+    """The lines in messages of at most _FEED_LINES lines and ``cap`` items and
+    refusals (scheduler.max_job_items: a line of n choices is n items), each with
+    whether it is the last (which may be empty: it closes the job)."""
+    chunk: list[tuple[int, str, list[p.Item] | p.Rejected]] = []
+    size = 0
+    for entry in lines:
+        n = len(entry[2]) if isinstance(entry[2], list) else 1
+        if chunk and (size + n > cap or len(chunk) == _FEED_LINES):
+            yield chunk, False
+            chunk, size = [], 0
+        chunk.append(entry)
+        size += n
+    yield chunk, True
 
 
 def _usage(results: list[p.ItemResult]) -> dict[str, Any]:
@@ -705,14 +720,15 @@ def _usage(results: list[p.ItemResult]) -> dict[str, Any]:
     for result in results:
         if result.usage is not None:
             by_line.setdefault(result.line or 0, []).append(result)
-    prompt = completion = 0
+    prompt = completion = cached = 0
     for group in by_line.values():
         u = usage(group, group[0].chat)
         prompt += u["prompt_tokens"]
         completion += u["completion_tokens"]
+        cached += u["prompt_tokens_details"]["cached_tokens"]
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,

@@ -16,20 +16,19 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvmux.client.errors import Internal, KvmuxError, Overloaded, Unauthorized
+from kvmux.client.errors import Overloaded, Unauthorized
 from kvmux.client.openai import RequestError, error_body, http_status, info_body
 
 from ..access import ANONYMOUS, Caller
 from ..budget import Bucket
+from ..errors import error_info
 
 if TYPE_CHECKING:
     from . import HttpFront
 
-log = structlog.get_logger("kvmux.http")
 
 # What an HTTP request costs beyond what is measured: parsing it, routing it,
 # writing the response (the daemon's loop runs all of it).
@@ -78,23 +77,17 @@ def error_response(exc: BaseException) -> Response:
     elif isinstance(exc, BodyTimeout):
         status = 408
         body = error_body(str(exc), status=status, code="request_timeout")
-    elif isinstance(exc, KvmuxError):
-        info = exc.to_info()
+    else:
+        # Typed errors (kvmux's, the KV layer's, the engine's) as on the socket;
+        # anything else logged and answered 500 internal.
+        info = error_info(exc, front="http")
         status = http_status(info.code)
         body = info_body(info)
-        if isinstance(exc, Unauthorized):
-            body["error"]["code"] = "invalid_api_key"
         if status in (429, 503):
-            retry = exc.details.get("retry_after", 1.0)
+            retry = info.details.get("retry_after", 1.0)
             if isinstance(retry, int | float) and retry > 0:
                 headers["retry-after"] = str(max(1, math.ceil(retry)))
                 headers["retry-after-ms"] = str(int(retry * 1000))
-    else:
-        log.error("http_internal_error", exc_info=exc)
-        internal = Internal(
-            f"internal error in kvmuxd ({type(exc).__name__}); the daemon's log has the traceback"
-        )
-        status, body = 500, info_body(internal.to_info())
     return json_response(body, status, headers)
 
 
