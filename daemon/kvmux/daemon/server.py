@@ -187,6 +187,8 @@ class Server:
         self._readable = asyncio.Event()
         self._peers: dict[bytes, Peer] = {}
         self._backlogged: set[bytes] = set()  # peers with replies held back
+        # What _backlog_loop sleeps on while nothing is held back.
+        self._held: anyio.Event | None = None
         self._banned: dict[bytes, float] = {}  # identities shut for garbage, until when
         self._log_subs: dict[bytes, tuple[LogSubscription, anyio.CancelScope]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
@@ -369,10 +371,16 @@ class Server:
         peer.backlog.append(data)
         peer.backlog_bytes += len(data)
         self._backlogged.add(ident)
+        if self._held is not None:
+            self._held.set()
 
     async def _backlog_loop(self) -> None:
-        """Every 5 ms, try again to hand held replies to libzmq."""
+        """While replies are held back, try every 5 ms to hand them to libzmq; asleep
+        otherwise (an idle daemon does not wake for it)."""
         while True:
+            if not self._backlogged:
+                self._held = anyio.Event()
+                await self._held.wait()
             await anyio.sleep(0.005)
             for ident in list(self._backlogged):
                 peer = self._peers.get(ident)
