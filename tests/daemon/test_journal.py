@@ -284,7 +284,11 @@ async def test_the_python_client_waits_out_a_restart_and_gets_every_result(
         assert r.token_ids == decode_alone(reference, msgspec.structs.replace(item, seed=r.seed))
 
 
-def test_a_version_1_journal_is_upgraded_in_place_and_keeps_its_jobs(state: Path) -> None:
+# "interrupted": a crash after the upgrade's first step committed, before user_version.
+@pytest.mark.parametrize("interrupted", [False, True], ids=["version-1", "interrupted"])
+def test_a_version_1_journal_is_upgraded_in_place_and_keeps_its_jobs(
+    state: Path, interrupted: bool
+) -> None:
     from kvmux.daemon.journal import SCHEMA_VERSION, Journal
 
     path = state / "old.sqlite3"
@@ -301,7 +305,12 @@ def test_a_version_1_journal_is_upgraded_in_place_and_keeps_its_jobs(state: Path
         PRAGMA user_version = 1;
         """
     )
-    db.execute("INSERT INTO jobs VALUES ('j1', 'uid:1', 'old', 1, 1.0, NULL, 1)")
+    if interrupted:
+        db.execute("ALTER TABLE jobs ADD COLUMN format TEXT NOT NULL DEFAULT 'kvmux'")
+    db.execute(
+        "INSERT INTO jobs (job_id, owner, name, detached, created, finished, total) "
+        "VALUES ('j1', 'uid:1', 'old', 1, 1.0, NULL, 1)"
+    )
     db.execute("INSERT INTO items VALUES ('j1', 0, ?, NULL)", (msgspec.msgpack.encode(item),))
     db.commit()
     db.close()

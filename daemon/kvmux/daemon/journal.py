@@ -420,8 +420,13 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
         db.executescript(_SCHEMA)
     elif version < 2:
         # Version 2: jobs remember their output format and whether they take more items.
-        db.execute("ALTER TABLE jobs ADD COLUMN format TEXT NOT NULL DEFAULT 'kvmux'")
-        db.execute("ALTER TABLE jobs ADD COLUMN open INTEGER NOT NULL DEFAULT 0")
+        # Each step commits on its own, before user_version says so: a step a crash
+        # interrupted is taken again, so each must hold when it is done already.
+        columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+        if "format" not in columns:
+            db.execute("ALTER TABLE jobs ADD COLUMN format TEXT NOT NULL DEFAULT 'kvmux'")
+        if "open" not in columns:
+            db.execute("ALTER TABLE jobs ADD COLUMN open INTEGER NOT NULL DEFAULT 0")
     if version < 3:
         db.executescript(_SCHEMA_V3)
     # Future versions: `if version < 4: ALTER TABLE ...` steps, in order, here.
