@@ -344,6 +344,30 @@ def test_on_a_device_a_refused_allocation_takes_kept_rows_back_first() -> None:
     assert err.value.details["cause"] == "out_of_memory"
 
 
+def test_on_a_device_a_new_cohort_is_not_made_narrower_for_kept_rows() -> None:
+    """Device storage with a budget: a session's new cohort is sized by what the budget
+    has free, and what the cache keeps counts as free: the kept row is evicted and the
+    cohort gets the rows it would have had without the cache."""
+    unit = 64 * BPT  # one row of 64 tokens
+    budget = MemoryBudget(4 * unit)
+    storage = FakeDeviceStorage()
+    pool = CohortPool(SPEC, storage=storage, rows_per_cohort=4, min_bucket=4, budget=budget)
+    cache = PrefixCache(SPEC, budget=budget, storage=storage, block=BLOCK, min_bucket=4)
+    prompt = [7] * 64 + [1]
+    _live(cache, pool, prompt, seed=13)
+    holder = cache.lookup(cache.key(prompt)).holder  # another asks for it: kept
+    assert holder is not None and cache.leave(holder, keep=True) is False
+    cache.settle()  # into a cohort of its own, 64 tokens: its session's 128 is freed
+    assert budget.used == unit and budget.reclaimable == unit
+    # A second cohort of a capacity gets up to as many rows as the first ones hold:
+    # 1, 1, then 2 rows, which fit the budget once the kept row is given back.
+    sessions = [pool.new_cache(HARD) for _ in range(3)]
+    for s in sessions:
+        ensure_capacity(s, 64)
+    assert [c.rows for c in pool.cohorts()] == [1, 1, 2]
+    assert cache.stats.evictions == 1 and budget.used == 4 * unit
+
+
 def test_lookups_of_one_asker_count_once() -> None:
     """The n choices of one line ask for the same prompt as one asker: they copy it from
     the live session that prefills it, and it is not kept for later; another line's

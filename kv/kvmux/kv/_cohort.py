@@ -338,10 +338,7 @@ class CohortPool:
             try:
                 return self._claim(capacity)
             except MemoryError as exc:  # BudgetExceeded is one, as CuPy's OutOfMemoryError is
-                need = capacity * self.spec.bytes_per_token
-                if isinstance(exc, BudgetExceeded):
-                    need = max(exc.used + exc.requested - exc.total, 1)
-                if not self.budget.reclaim(need):
+                if not self.budget.reclaim(_shortfall(exc, capacity * self.spec.bytes_per_token)):
                     raise
 
     def _claim(self, capacity: int) -> tuple[Cohort, int]:
@@ -379,6 +376,8 @@ class CohortPool:
             rows = min(rows, max(held, 1))
             free = self.budget.free
             if free is not None:
+                # What the prefix cache keeps is free to a session (given back below).
+                free += self.budget.reclaimable
                 rows = max(1, min(rows, free // row_bytes))
         while True:
             charge = 0 if self.storage.per_row else rows * row_bytes
@@ -391,9 +390,15 @@ class CohortPool:
             except BaseException as exc:
                 if charged:
                     self.budget.release(charge)
-                # Refused (by the device, or the budget another growth just
-                # charged): fewer rows may still fit. One row refused is the answer.
-                if rows == 1 or not isinstance(exc, MemoryError):  # BudgetExceeded is one
+                if not isinstance(exc, MemoryError):  # BudgetExceeded is one
+                    raise
+                # Refused (by the device, or the budget another growth just charged):
+                # what the prefix cache keeps goes first, so a session's cohort is not
+                # made narrower for it; then fewer rows may still fit. One row refused
+                # is the answer (claim asks the reclaimer once more, in vain).
+                if self.budget.reclaim(_shortfall(exc, rows * row_bytes)):
+                    continue
+                if rows == 1:
                     raise
                 rows //= 2
                 continue
@@ -685,3 +690,11 @@ class RowKvCache(KvState):
             f"RowKvCache(capacity={self._capacity}, valid={self._valid_len}, "
             f"cohort={self._cohort!r}, row={self._row})"
         )
+
+
+def _shortfall(exc: MemoryError, asked: int) -> int:
+    """The bytes a refused allocation of ``asked`` bytes lacked: the budget says; a
+    device's out-of-memory does not, so all of it."""
+    if isinstance(exc, BudgetExceeded):
+        return max(exc.used + exc.requested - exc.total, 1)
+    return asked
