@@ -41,7 +41,7 @@ def _setup(
 ) -> tuple[CohortPool, PrefixCache]:
     budget = budget or MemoryBudget()
     pool = CohortPool(SPEC, rows_per_cohort=4, min_bucket=4, budget=budget)
-    cache = PrefixCache(SPEC, budget=budget, block=BLOCK, max_bytes=max_bytes, min_bucket=4)
+    cache = PrefixCache(SPEC, budget=budget, block=BLOCK, max_bytes=max_bytes)
     return pool, cache
 
 
@@ -324,7 +324,7 @@ def test_on_a_device_a_refused_allocation_takes_kept_rows_back_first() -> None:
     storage = FakeDeviceStorage(total=3 * carved)
     budget = MemoryBudget()
     pool = CohortPool(SPEC, storage=storage, rows_per_cohort=1, min_bucket=4, budget=budget)
-    cache = PrefixCache(SPEC, budget=budget, storage=storage, block=BLOCK, min_bucket=4)
+    cache = PrefixCache(SPEC, budget=budget, storage=storage, block=BLOCK)
     prompt = [7] * 64 + [1]
     _live(cache, pool, prompt, seed=13)  # a session's row of 128: more than two of 64
     key = cache.key(prompt)
@@ -352,7 +352,7 @@ def test_on_a_device_a_new_cohort_is_not_made_narrower_for_kept_rows() -> None:
     budget = MemoryBudget(4 * unit)
     storage = FakeDeviceStorage()
     pool = CohortPool(SPEC, storage=storage, rows_per_cohort=4, min_bucket=4, budget=budget)
-    cache = PrefixCache(SPEC, budget=budget, storage=storage, block=BLOCK, min_bucket=4)
+    cache = PrefixCache(SPEC, budget=budget, storage=storage, block=BLOCK)
     prompt = [7] * 64 + [1]
     _live(cache, pool, prompt, seed=13)
     holder = cache.lookup(cache.key(prompt)).holder  # another asks for it: kept

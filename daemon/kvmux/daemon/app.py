@@ -290,21 +290,14 @@ class Daemon:
             folder = Path(self._files_tmp.name)
         files = FileStore(folder, self.journal, cfg)
         files.restore()
-        batches = Batches(
-            self.service,
-            files,
-            self.journal,
-            cfg,
-            self.config.scheduler,
-            (cfg.served_model_names or [self.model_name])[0],
-        )
+        names = list(cfg.served_model_names) or [self.model_name]
+        batches = Batches(self.service, files, self.journal, cfg, self.config.scheduler, names[0])
         front = HttpFront(
             cfg,
             self.service,
             files,
             batches,
-            model=self.model_name,
-            max_model_len=None,
+            names=names,
             state=lambda: self.state,
             grace=self.config.shutdown.grace,
         )

@@ -71,10 +71,6 @@ class RequestBudget:
         self._owners: dict[str, Bucket] = {}
         self.refused = 0
 
-    @property
-    def enabled(self) -> bool:
-        return self.cfg.connection_rate > 0 or self.cfg.owner_rate > 0
-
     def connection(self) -> Bucket:
         """A new connection's bucket, full."""
         cfg = self.cfg
@@ -95,8 +91,8 @@ class RequestBudget:
         waits = []
         if self.cfg.connection_rate > 0 and conn.refill(now) <= 0:
             waits.append(("connection", conn.wait()))
-        if self.cfg.owner_rate > 0 and self._owner(owner, now).refill(now) <= 0:
-            waits.append(("owner", self._owners[owner].wait()))
+        if self.cfg.owner_rate > 0 and (bucket := self._owner(owner, now)).refill(now) <= 0:
+            waits.append(("owner", bucket.wait()))
         if not waits:
             return
         self.refused += 1

@@ -46,10 +46,6 @@ class Service:
         self._scheduler = scheduler
 
     @property
-    def loaded(self) -> bool:
-        return self._scheduler is not None
-
-    @property
     def scheduler(self) -> Scheduler:
         """The scheduler; ``not_ready`` while the model loads."""
         if self._scheduler is None:

@@ -87,7 +87,6 @@ class Holder:
     length: int = 0  # tokens a kept row serves (whole blocks)
     pins: int = 0
     gone: bool = False  # dropped while pinned: its row goes at the last unpin
-    settled: bool = False  # a kept row moved into the cache's own pool
 
     def ready_tokens(self, block: int) -> int:
         """Whole-block tokens whose KV the row holds now."""
@@ -124,7 +123,6 @@ class PrefixStats:
     kept: int = 0  # rows kept after their session finished
     evictions: int = 0
     entries: int = 0
-    bytes: int = 0
 
 
 class PrefixCacheError(KvError):
@@ -147,7 +145,6 @@ class PrefixCache:
         block: int = 16,
         max_bytes: int = 1 << 30,
         scope: Scope = "owner",
-        min_bucket: int = 1,
     ) -> None:
         if block < 1 or max_bytes < 0:
             raise ValueError(f"block must be >= 1 and max_bytes >= 0, got {block}, {max_bytes}")
@@ -157,8 +154,8 @@ class PrefixCache:
         self.scope: Scope = scope
         self.budget = budget
         # Kept rows are sized to their whole blocks (a hard max of exactly that
-        # many tokens), so their own pool's bucket floor never rounds them up.
-        self.pool = CohortPool(spec, storage=storage, min_bucket=min_bucket, budget=budget)
+        # many tokens): no bucket floor rounds them up.
+        self.pool = CohortPool(spec, storage=storage, min_bucket=1, budget=budget)
         self._secret = os.urandom(16)
         self._index: dict[bytes, dict[Holder, None]] = {}
         self._lru: OrderedDict[Holder, None] = OrderedDict()  # kept rows, oldest use first
@@ -354,7 +351,7 @@ class PrefixCache:
                 self._evict([holder])
                 continue
             with self._lock:
-                holder.cache, holder.settled = row, True
+                holder.cache = row
                 self._bytes += row.nbytes - old.nbytes
                 self._tally()
             old.release()
@@ -433,7 +430,6 @@ class PrefixCache:
 
     def _tally(self) -> None:
         self.stats.entries = len(self._lru)
-        self.stats.bytes = self._bytes
 
     @property
     def bytes(self) -> int:

@@ -290,6 +290,14 @@ class _Sink:
             else:
                 counts.completed += 1
 
+    def recount(self, results: list[p.ItemResult]) -> None:
+        """Counts rebuilt from the results the job holds (after a restart)."""
+        record = self.record
+        record.request_counts = Counts(total=record.request_counts.total)
+        self._lines.clear()
+        for result in results:
+            self.count(result)
+
     def deliver(self, events: list[p.Event]) -> None:
         for event in events:
             if isinstance(event, p.ItemFinished):
@@ -358,7 +366,6 @@ class Batches:
         metadata: dict[str, str] | None,
         output_expires_after: int | None,
     ) -> BatchRecord:
-        self.service.scheduler  # noqa: B018 - not_ready while loading, draining's shutdown
         if self.service.scheduler.draining:
             raise ShuttingDown("kvmuxd is shutting down and takes no new batches")
         if endpoint not in ENDPOINTS:
@@ -451,7 +458,7 @@ class Batches:
             except ShuttingDown:
                 return  # the daemon stops: the journal keeps where the batch is
             except Exception as exc:
-                log.exception("batch_failed", batch_id=record.id)
+                log.exception("batch_internal_error", batch_id=record.id)
                 await self._fail(record, [BatchError("internal", f"kvmuxd failed: {exc}")])
 
     async def _validate(self, record: BatchRecord) -> None:
@@ -486,7 +493,7 @@ class Batches:
                 )
                 return
             self.service.attach(sink, job.job_id, caller=OPERATOR)
-            self._recount(record, sink, job.results())
+            sink.recount(job.results())
         elif not record.stop:
             job = await self.service.submit(
                 sink,
@@ -546,13 +553,6 @@ class Batches:
                     return  # closed by the cancel meanwhile
                 raise
 
-    def _recount(self, record: BatchRecord, sink: _Sink, results: list[p.ItemResult]) -> None:
-        """Counts rebuilt from the results the job holds (after a restart)."""
-        record.request_counts = Counts(total=record.request_counts.total)
-        sink._lines.clear()
-        for result in results:
-            sink.count(result)
-
     async def _finalize(self, record: BatchRecord) -> None:
         sink = self._sinks.setdefault(record.id, _Sink(record))
         job = None
@@ -566,17 +566,15 @@ class Batches:
             await self._save(record)
         results = [] if job is None else job.results()
         if job is not None:
-            self._recount(record, sink, results)
+            sink.recount(results)
         fed = max((r.line or 0 for r in results), default=0)
         out, errors = await anyio.to_thread.run_sync(self._write, record, results, fed)
         retention = record.output_expires_after
-        for staged, kind in ((out, "output"), (errors, "error")):
-            written, sha = staged
+        for written, kind in ((out, "output"), (errors, "error")):
             if written is None:
                 continue
             file = await self.files.add(
                 written,
-                sha,
                 owner=record.owner,
                 purpose="batch_output",
                 filename=f"{record.id}_{kind}.jsonl",
@@ -609,22 +607,13 @@ class Batches:
 
     def _write(
         self, record: BatchRecord, results: list[p.ItemResult], fed: int
-    ) -> tuple[tuple[Staged | None, str], tuple[Staged | None, str]]:
-        """The output and error files (on the files folder's staging names), by the
-        CLI's own writer, in input-line order; the lines never fed as stopped."""
+    ) -> tuple[Staged | None, Staged | None]:
+        """The output and error files (on the files folder's staging names; None for
+        one without lines), by the CLI's own writer, in input-line order; the lines
+        never fed as stopped."""
         out, err = self.files.stage(limit=1 << 62), self.files.stage(limit=1 << 62)
-        lines = {"out": 0, "err": 0}
-
-        def write_out(data: bytes) -> None:
-            out.write(data)
-            lines["out"] += 1
-
-        def write_err(data: bytes) -> None:
-            err.write(data)
-            lines["err"] += 1
-
         try:
-            sink = ResultSink("openai", write_out, write_err, model=record.model)
+            sink = ResultSink("openai", out.write, err.write, model=record.model)
             for result in sorted(results, key=lambda r: (r.line or 0, r.choice)):
                 sink.result(result)
             sink.flush()
@@ -633,22 +622,24 @@ class Batches:
                 why = "expired" if record.stop == "expire" else "was cancelled"
                 source = self.files.records.get(record.input_file_id)
                 if source is not None:
-                    rest = entries(self.files.path(source), record.endpoint, fed + 1, 1 << 30)
-                    for number, cid, _ in rest:
-                        message = f"the batch {why} before this request ran"
-                        sink.refused(LineError(number, message, cid), code=code)
+                    # Validated: every line has its id; nothing else of it is wanted.
+                    for number, raw in _lines(self.files.path(source)):
+                        if number > fed:
+                            cid, _ = _line_request(raw, record.endpoint)
+                            message = f"the batch {why} before this request ran"
+                            sink.refused(LineError(number, message, cid), code=code)
         except BaseException:
             out.discard()
             err.discard()
             raise
-        staged: list[tuple[Staged | None, str]] = []
-        for file, kind in ((out, "out"), (err, "err")):
-            sha = file.close()
-            if lines[kind]:
-                staged.append((file, sha))
+        staged: list[Staged | None] = []
+        for file in (out, err):
+            file.close()
+            if file.size:
+                staged.append(file)
             else:
                 file.path.unlink(missing_ok=True)
-                staged.append((None, ""))
+                staged.append(None)
         return staged[0], staged[1]
 
     async def _fail(self, record: BatchRecord, errors: list[BatchError]) -> None:
@@ -659,7 +650,12 @@ class Batches:
         if record.job_id is not None:
             with contextlib.suppress(KvmuxError):
                 self.service.scheduler.jobs.pinned.discard(record.job_id)
-        log.warning("batch_failed_validation", batch_id=record.id, errors=len(errors))
+        log.warning(
+            "batch_failed",
+            batch_id=record.id,
+            errors=len(errors),
+            first=errors[0].code if errors else None,
+        )
 
     def _stop_job(self, record: BatchRecord) -> None:
         if record.job_id is None:

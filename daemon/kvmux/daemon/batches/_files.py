@@ -17,7 +17,6 @@ import hashlib
 import os
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -75,6 +74,7 @@ class Staged:
         self.path = path
         self.limit = limit
         self.size = 0
+        self.sha256 = ""  # the content's, once closed
         self._hash = hashlib.sha256()
         self._file: IO[bytes] = path.open("wb")
 
@@ -88,12 +88,12 @@ class Staged:
         self._hash.update(data)
         self._file.write(data)
 
-    def close(self) -> str:
-        """Flush to disk; the content's SHA-256."""
+    def close(self) -> None:
+        """Flush to disk; ``sha256`` is the content's from now on."""
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        return self._hash.hexdigest()
+        self.sha256 = self._hash.hexdigest()
 
     def discard(self) -> None:
         if not self._file.closed:
@@ -155,7 +155,6 @@ class FileStore:
     async def add(
         self,
         staged: Staged,
-        sha256: str,
         *,
         owner: str,
         purpose: str,
@@ -179,7 +178,7 @@ class FileStore:
                 bytes=staged.size,
                 created_at=now,
                 expires_at=now + int(seconds),
-                sha256=sha256,
+                sha256=staged.sha256,
                 created_ns=now_ns,
             )
             os.replace(staged.path, self.path(record))
@@ -227,12 +226,6 @@ class FileStore:
             start = ids.index(after) + 1 if after in ids else len(mine)
         page = mine[start : start + limit]
         return page, start + limit < len(mine)
-
-    def content(self, record: FileRecord, chunk: int = 64 * 1024) -> Iterator[bytes]:
-        """The file's bytes, ``chunk`` at a time (never all in memory)."""
-        with self.path(record).open("rb") as f:
-            while data := f.read(chunk):
-                yield data
 
     def usage(self, owner: str) -> tuple[int, int]:
         """(bytes, files) ``owner`` keeps."""

@@ -231,7 +231,6 @@ class Engine:
             block=opts.prefix_block,
             max_bytes=opts.prefix_cache_bytes,
             scope=opts.prefix_scope,
-            min_bucket=self.min_bucket,
         )
 
     @property

@@ -54,8 +54,7 @@ class HttpFront:
         files: FileStore,
         batches: Batches,
         *,
-        model: str,
-        max_model_len: int | None,
+        names: list[str],
         state: Callable[[], str],
         grace: float,
     ) -> None:
@@ -64,8 +63,8 @@ class HttpFront:
         self.budget = service.budget
         self.files = files
         self.batches = batches
-        self.names = list(cfg.served_model_names) or [model]
-        self.max_model_len = max_model_len
+        self.names = names
+        self.max_model_len: int | None = None  # known once the model is loaded
         self.state = state
         self.grace = grace
         self.keys = ApiKeys(cfg.api_keys)
