@@ -325,6 +325,9 @@ class StartGate:
         self._active = active
         self._anyone = bool(active)
         self._need: int | None = None
+        # Nothing is allocated while one gate decides (sessions open after it): what the
+        # budget holds is read once (it sums the prefix cache's kept rows).
+        self._committed: int | None = None
 
     def admits(self, admission: Admission) -> bool:
         coordinator = self._coordinator
@@ -336,9 +339,11 @@ class StartGate:
             return True
         if self._need is None:
             self._need = coordinator._growth_reserve(self._active)
+            self._committed = budget.committed
+        assert self._committed is not None
         cost = coordinator._start_cost(admission)
         # What the prefix cache keeps is given back on demand: it stands in no one's way.
-        if budget.committed + self._need + cost > budget.total:
+        if self._committed + self._need + cost > budget.total:
             return False  # not enough to carry everyone to their next growth: it waits
         self._need += cost
         return True

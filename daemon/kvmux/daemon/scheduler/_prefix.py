@@ -148,11 +148,7 @@ class PrefixPlanner:
             plan = state.prefix
             assert plan is not None
             for h in plan.waiting_on:
-                if (
-                    h.ready_tokens(block) >= plan.target
-                    or not self._progressing(h)
-                    or h not in self._items
-                ):
+                if h.ready_tokens(block) >= plan.target or not self._progressing(h):
                     return True
         return False
 
