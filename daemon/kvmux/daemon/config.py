@@ -41,6 +41,7 @@ __all__ = [
     "toml_config",
     "with_endpoint",
     "with_http",
+    "with_journal",
 ]
 
 EX_CONFIG = 78
@@ -279,28 +280,29 @@ def parse_config(text: str | bytes, *, source: str = "<string>") -> Config:
     return cfg
 
 
-def with_endpoint(cfg: Config, endpoint: str, *, source: str = "--endpoint") -> Config:
-    """``cfg`` listening on ``endpoint`` instead (kvmuxd --endpoint), checked like the file."""
+def _with(cfg: Config, table: str, key: str, value: object, source: str) -> Config:
+    """``cfg`` with one key of one table replaced (a kvmuxd flag), checked like the file."""
     replaced = msgspec.structs.replace(
-        cfg, server=msgspec.structs.replace(cfg.server, endpoint=endpoint)
+        cfg, **{table: msgspec.structs.replace(getattr(cfg, table), **{key: value})}
     )
     _check(replaced, source)
     return replaced
 
 
+def with_endpoint(cfg: Config, endpoint: str, *, source: str = "--endpoint") -> Config:
+    """``cfg`` listening on ``endpoint`` instead (kvmuxd --endpoint)."""
+    return _with(cfg, "server", "endpoint", endpoint, source)
+
+
 def with_http(cfg: Config, listen: str, *, source: str = "--http") -> Config:
-    """``cfg`` serving HTTP on ``listen`` instead ("" = off: kvmuxd --http), checked."""
-    replaced = msgspec.structs.replace(cfg, http=msgspec.structs.replace(cfg.http, listen=listen))
-    _check(replaced, source)
-    return replaced
+    """``cfg`` serving HTTP on ``listen`` instead ("" = off: kvmuxd --http)."""
+    return _with(cfg, "http", "listen", listen, source)
 
 
 def with_journal(cfg: Config, journal: str, *, source: str = "--journal") -> Config:
     """``cfg`` keeping its job journal at ``journal`` instead ("" = memory only: kvmuxd
-    --journal), checked: one config file for every ``kvmuxd@N``, each its own journal."""
-    replaced = msgspec.structs.replace(cfg, jobs=msgspec.structs.replace(cfg.jobs, journal=journal))
-    _check(replaced, source)
-    return replaced
+    --journal): one config file for every ``kvmuxd@N``, each its own journal."""
+    return _with(cfg, "jobs", "journal", journal, source)
 
 
 def toml_config(tables: Mapping[str, Mapping[str, object]]) -> str:
@@ -453,14 +455,8 @@ def _check(cfg: Config, source: str) -> None:
 
 def _loopback_tcp_problem(endpoint: str) -> str | None:
     """Why a tcp endpoint without CURVE is refused: anything but loopback is open to all."""
-    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-    if host.lower() == "localhost":
+    if _is_loopback(endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")):
         return None
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:
-        pass
     return (
         f"{endpoint!r} listens beyond loopback without authentication; configure CURVE "
         "(server.curve_secret_key and server.curve_authorized_keys) or use an ipc:// socket "

@@ -50,8 +50,9 @@ def result_parts(job_id: str, result: p.ItemResult) -> list[p.ItemFinishedPart]:
     ]
 
 
-def event_messages(events: list[p.Event], limit: int = p.MAX_REPLY_BYTES) -> list[bytes]:
-    """``events`` as encoded ``events`` messages of at most ``limit`` bytes each, in order."""
+def event_messages(events: list[p.Event]) -> list[bytes]:
+    """``events`` as encoded ``events`` messages of at most ``MAX_REPLY_BYTES`` each, in order."""
+    limit = p.MAX_REPLY_BYTES
     whole = p.encode(p.Events(events=events))
     if len(whole) <= limit:
         return [whole]
@@ -65,11 +66,10 @@ def event_messages(events: list[p.Event], limit: int = p.MAX_REPLY_BYTES) -> lis
     return [_encode(_RawEvents([msgspec.Raw(e) for e in batch])) for batch in _pack(encoded, limit)]
 
 
-def log_messages(
-    records: list[dict[str, Any]], dropped: int, limit: int = p.MAX_REPLY_BYTES
-) -> list[bytes]:
-    """Log records as ``logs`` messages of at most ``limit`` bytes; a record too large
+def log_messages(records: list[dict[str, Any]], dropped: int) -> list[bytes]:
+    """Log records as ``logs`` messages of at most ``MAX_REPLY_BYTES``; a record too large
     for one message on its own is cut to what names it (event, level, time, job)."""
+    limit = p.MAX_REPLY_BYTES
     whole = p.encode(p.LogEvents(records=records, dropped=dropped))
     if len(whole) <= limit:
         return [whole]

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .config import split_listen
+
 if TYPE_CHECKING:
     from .app import Daemon
 
@@ -62,9 +64,8 @@ class Metrics:
 
     def serve(self, listen: str) -> tuple[str, int]:
         """Start the HTTP endpoint on ``host:port`` (loopback, checked by the config)."""
-        host, _, port = listen.rpartition(":")
-        host = host.strip("[]")
-        self._server, _ = start_http_server(int(port), addr=host, registry=self.registry)
+        host, port = split_listen(listen)
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         bound: tuple[str, int] = self._server.server_address[:2]
         return bound
 

@@ -77,6 +77,17 @@ class LineError(Exception):
         )
 
 
+def numbered_lines(stream: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """A batch file's non-blank lines, numbered from 1, without their ends (a BOM and
+    CRLF ends are fine): how the CLI and kvmuxd's Batch API read one alike."""
+    for number, raw in enumerate(stream, start=1):
+        if number == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM) :]
+        raw = raw.rstrip(b"\r\n")
+        if raw.strip():
+            yield number, raw
+
+
 class DuplicateId(LineError):
     """A line reusing an earlier line's ``custom_id``: reported even when resuming."""
 
@@ -110,12 +121,7 @@ class BatchReader:
         return self.items + self.errors
 
     def __iter__(self) -> Iterator[p.Item | LineError]:
-        for number, raw in enumerate(self._stream, start=1):
-            if number == 1 and raw.startswith(BOM):
-                raw = raw[len(BOM) :]
-            raw = raw.rstrip(b"\r\n")
-            if not raw.strip():
-                continue
+        for number, raw in numbered_lines(self._stream):
             try:
                 items = self._parse(raw, number)
             except LineError as exc:

@@ -39,7 +39,7 @@ import msgspec
 import structlog
 
 from kvmux.client import protocol as p
-from kvmux.client.cli.batch import LineError
+from kvmux.client.cli.batch import LineError, numbered_lines
 from kvmux.client.cli.results import ResultSink
 from kvmux.client.errors import (
     BadRequest,
@@ -203,12 +203,7 @@ def _line_request(raw: bytes, endpoint: str) -> tuple[str, Any]:
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """The file's non-blank lines, numbered from 1 (a BOM and CRLF ends are fine)."""
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            raw = raw.rstrip(b"\r\n")
-            if raw.strip():
-                yield number, raw
+        yield from numbered_lines(f)
 
 
 def validate(path: Path, endpoint: str, max_lines: int) -> tuple[int, list[BatchError]]:
