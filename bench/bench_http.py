@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,7 @@ from kvmux.client import protocol as p
 MODEL = "small"
 
 
-def tables(threads_note: str = "") -> dict[str, dict[str, object]]:
-    del threads_note
+def tables() -> dict[str, dict[str, object]]:
     return {
         # Kept-alive connections outlive the other side's turn (an SDK client keeps its pool).
         "http": {
@@ -106,11 +106,15 @@ async def via_sdk(sdk: openai.AsyncOpenAI, n: int, tokens: int) -> dict[str, Any
                     text += choice.delta.content
         texts[i] = text
 
+    await all_at_once(n, one)
+    return {"wall": time.perf_counter() - t0, "tokens": count, "ttft": ttft, "texts": texts}
+
+
+async def all_at_once(n: int, one: Callable[[int], Coroutine[Any, Any, None]]) -> None:
+    """``one(0)`` ... ``one(n - 1)`` started together; returns once all are done."""
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(one, i)
-    wall = time.perf_counter() - t0
-    return {"wall": wall, "tokens": count, "ttft": ttft, "texts": texts}
 
 
 async def via_kvmux(endpoint: str, n: int, tokens: int) -> dict[str, Any]:
@@ -141,9 +145,7 @@ async def via_kvmux(endpoint: str, n: int, tokens: int) -> dict[str, Any]:
                     count += len(event.token_ids)
             texts[i] = text
 
-        async with anyio.create_task_group() as tg:
-            for i in range(n):
-                tg.start_soon(one, i)
+        await all_at_once(n, one)
         wall = time.perf_counter() - t0
     return {"wall": wall, "tokens": count, "ttft": ttft, "texts": texts}
 
@@ -280,24 +282,14 @@ async def idle(daemon: DaemonProcess, n: int) -> dict[str, Any]:
             assert resp.status_code == 200, resp.text
             peak = max(peak, daemon.rss())
             await anyio.sleep(0.05)
-    held = 0
     for conn in conns:
         conn.setblocking(False)
-        try:
-            held += conn.recv(1) != b""
-        except BlockingIOError:
-            held += 1  # still open, nothing said: held
+    held = _still_open(conns)
     # The daemon closes connections that send no request within http.header_timeout.
     closed_after = None
     deadline = held_at + 30
     while time.monotonic() < deadline:
-        open_now = 0
-        for conn in conns:
-            try:
-                open_now += conn.recv(1) != b""
-            except BlockingIOError:
-                open_now += 1
-        if open_now == 0:
+        if _still_open(conns) == 0:
             closed_after = round(time.monotonic() - held_at, 1)
             break
         await anyio.sleep(0.5)
@@ -394,6 +386,17 @@ async def floor(requests: int) -> dict[str, Any]:
     }
     print(f"floor: {row}", flush=True)
     return row
+
+
+def _still_open(conns: list[socket.socket]) -> int:
+    """How many of these (non-blocking) connections the daemon has not closed."""
+    open_now = 0
+    for conn in conns:
+        try:
+            open_now += conn.recv(1) != b""
+        except BlockingIOError:
+            open_now += 1  # still open, nothing said
+    return open_now
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:

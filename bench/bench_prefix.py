@@ -126,12 +126,9 @@ def _cache_delta(before: p.DaemonStatus, after: p.DaemonStatus) -> dict[str, Any
     a, b = after.prefix_cache, before.prefix_cache
     if a is None or b is None:
         return {}
-    prompt = a.prompt_tokens - b.prompt_tokens
-    hit = a.hit_tokens - b.hit_tokens
     return {
-        "prompt_tokens": prompt,
-        "hit_tokens": hit,
-        "hit_rate": hit / prompt if prompt else 0.0,
+        "prompt_tokens": a.prompt_tokens - b.prompt_tokens,
+        "hit_tokens": a.hit_tokens - b.hit_tokens,
         "waits": a.waits - b.waits,
         "fork_failures": a.fork_failures - b.fork_failures,
         "kept_bytes_at_end": a.bytes,
@@ -145,13 +142,15 @@ async def measure(client: Client, items: list[Item], side: Side) -> None:
     side.runs.append(await run_items(client, items, "kvmuxd"))
     after = await client.status()
     delta = _cache_delta(before, after)
+    if not delta:
+        return
     for key, value in delta.items():
-        if key.endswith("_at_end") or key == "hit_rate":
+        if key.endswith("_at_end"):
             side.cache[key] = value
         else:
             side.cache[key] = side.cache.get(key, 0) + value
-    if side.cache.get("prompt_tokens"):
-        side.cache["hit_rate"] = side.cache["hit_tokens"] / side.cache["prompt_tokens"]
+    prompt = side.cache["prompt_tokens"]
+    side.cache["hit_rate"] = side.cache["hit_tokens"] / prompt if prompt else 0.0
 
 
 def _tokens(side: Side, run: int = 0) -> list[list[int]]:
