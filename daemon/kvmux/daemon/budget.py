@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvmux.client.errors import Overloaded
 
@@ -120,10 +121,15 @@ class RequestBudget:
 
     def prune(self) -> None:
         """Forget owners whose bucket is full again (a long-lived daemon sees many)."""
-        now = _now()
-        full = [o for o, b in self._owners.items() if b.refill(now) >= b.burst]
-        for owner in full:
-            del self._owners[owner]
+        forget_full(self._owners)
+
+
+def forget_full(buckets: dict[Any, Bucket]) -> None:
+    """Drop the buckets that are full again: spent nothing lately, they are what a new
+    one would be."""
+    now = _now()
+    for key in [k for k, b in buckets.items() if b.refill(now) >= b.burst]:
+        del buckets[key]
 
 
 def _now() -> float:

@@ -41,7 +41,8 @@ class GrowthBackend(Protocol[Staged]):
         ...
 
     def copy_prefix(self, staged: Staged) -> int:
-        """Copy the valid prefix of every K/V buffer into ``staged``; return bytes copied."""
+        """Copy ``staged``'s valid tokens from its source into it (the cache's own valid
+        prefix, or for a fork another row's first tokens); return bytes copied."""
         ...
 
     def build_mask(self, staged: Staged) -> None:
@@ -53,7 +54,8 @@ class GrowthBackend(Protocol[Staged]):
         ...
 
     def commit(self, staged: Staged) -> None:
-        """Swap in ``staged`` by plain assignment, then release the old buffers."""
+        """Swap in ``staged`` by plain assignment (its valid length with it), then
+        release the old buffers."""
         ...
 
     def discard(self, staged: Staged) -> None:

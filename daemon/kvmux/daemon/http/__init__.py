@@ -29,7 +29,7 @@ from kvmux.client.errors import NotFound
 
 from ..access import ANONYMOUS, Caller
 from ..batches import Batches, FileStore
-from ..budget import Bucket
+from ..budget import Bucket, forget_full
 from ..config import HttpConfig, split_listen
 from ..service import Service
 from . import _completions as completions
@@ -102,9 +102,7 @@ class HttpFront:
 
     def housekeeping(self) -> None:
         """Forget the buckets of connections that spent nothing lately."""
-        now = time.monotonic()
-        for key in [k for k, b in self._buckets.items() if b.refill(now) >= b.burst]:
-            del self._buckets[key]
+        forget_full(self._buckets)
 
     # -- the model ----------------------------------------------------------------------
     def served_model(self, name: str) -> str:

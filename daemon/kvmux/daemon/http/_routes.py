@@ -3,7 +3,7 @@ OpenAI's shapes and :mod:`kvmux.daemon.batches` or the service."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 import anyio.to_thread
 import msgspec
@@ -13,6 +13,7 @@ from starlette.responses import FileResponse, Response
 
 from kvmux.client.errors import BadRequest
 
+from ..batches import Staged
 from ._common import caller_of, front_of, json_response, read_json
 
 _UPLOAD_CHUNK = 1 << 20
@@ -73,9 +74,8 @@ async def create_file(request: Request) -> Response:
         front.files.check_quota(caller.owner, upload.size or 0)
         staged = front.files.stage()
         try:
-            while data := await upload.read(_UPLOAD_CHUNK):
-                await anyio.to_thread.run_sync(staged.write, data)
-            await anyio.to_thread.run_sync(staged.close)
+            # Starlette spooled the part already: copied and closed in one thread call.
+            await anyio.to_thread.run_sync(_copy, upload.file, staged)
         except BaseException:
             staged.discard()
             raise
@@ -89,6 +89,13 @@ async def create_file(request: Request) -> Response:
     finally:
         await form.close()
     return json_response(record.object())
+
+
+def _copy(source: BinaryIO, staged: Staged) -> None:
+    source.seek(0)
+    while data := source.read(_UPLOAD_CHUNK):
+        staged.write(data)
+    staged.close()
 
 
 def _limit(request: Request, default: int, most: int) -> int:
