@@ -61,7 +61,7 @@ from ..access import OPERATOR, Caller
 from ..config import HttpConfig, SchedulerConfig
 from ..journal import Journal
 from ..service import Service
-from ._files import FileStore, Staged
+from ._files import FileStore, Staged, page_after
 
 log = structlog.get_logger("kvmux.batches")
 
@@ -414,12 +414,7 @@ class Batches:
     ) -> tuple[list[BatchRecord], bool]:
         """``caller``'s batches, newest first, after the batch ``after``; more to come?"""
         mine = [r for r in self.records.values() if caller.may_see(r.owner)]
-        mine.sort(key=lambda r: r.created_ns, reverse=True)
-        start = 0
-        if after is not None:
-            ids = [r.id for r in mine]
-            start = ids.index(after) + 1 if after in ids else len(mine)
-        return mine[start : start + limit], start + limit < len(mine)
+        return page_after(mine, after, limit, newest_first=True)
 
     async def cancel(self, batch_id: str, caller: Caller) -> BatchRecord:
         record = self.find(batch_id, caller)

@@ -18,7 +18,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -99,6 +99,30 @@ class Staged:
         if not self._file.closed:
             self._file.close()
         self.path.unlink(missing_ok=True)
+
+
+class _Listed(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def created_ns(self) -> int: ...
+
+
+L = TypeVar("L", bound=_Listed)
+
+
+def page_after(
+    records: list[L], after: str | None, limit: int, *, newest_first: bool
+) -> tuple[list[L], bool]:
+    """OpenAI's cursor paging: ``limit`` records in order of creation after the one
+    whose id is ``after`` (none when it is not there); and whether more follow."""
+    records = sorted(records, key=lambda r: r.created_ns, reverse=newest_first)
+    start = 0
+    if after is not None:
+        ids = [r.id for r in records]
+        start = ids.index(after) + 1 if after in ids else len(records)
+    return records[start : start + limit], start + limit < len(records)
 
 
 class FileStore:
@@ -219,13 +243,7 @@ class FileStore:
             for r in self.records.values()
             if caller.may_see(r.owner) and (purpose is None or r.purpose == purpose)
         ]
-        mine.sort(key=lambda r: r.created_ns, reverse=order == "desc")
-        start = 0
-        if after is not None:
-            ids = [r.id for r in mine]
-            start = ids.index(after) + 1 if after in ids else len(mine)
-        page = mine[start : start + limit]
-        return page, start + limit < len(mine)
+        return page_after(mine, after, limit, newest_first=order == "desc")
 
     def usage(self, owner: str) -> tuple[int, int]:
         """(bytes, files) ``owner`` keeps."""
