@@ -11,6 +11,7 @@ demand; this one refuses past ``total`` bytes, or at the capacities in
 
 from __future__ import annotations
 
+import threading
 import weakref
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -36,6 +37,8 @@ class FakeDeviceStorage:
         self.allocated_rows: list[tuple[int, int]] = []  # (capacity, rows) of each allocation
         self.syncs = 0
         self.depth = 0  # inside on_device()
+        # CudaStorage's capture gate: every device call of the storage holds it.
+        self.gate = threading.RLock()
 
     def allocate(self, spec: KvSpec, capacity: int, rows: int) -> CohortBuffers:
         assert self.depth > 0, "allocations must name their device"
@@ -63,19 +66,24 @@ class FakeDeviceStorage:
     def on_device(self) -> AbstractContextManager[Any]:
         return self._device()
 
+    def exclusive(self) -> AbstractContextManager[Any]:
+        return self.gate
+
     @contextmanager
     def _device(self) -> Any:
-        self.depth += 1
-        try:
-            yield self
-        finally:
-            self.depth -= 1
+        with self.gate:
+            self.depth += 1
+            try:
+                yield self
+            finally:
+                self.depth -= 1
 
     def synchronize(self) -> None:
         self.syncs += 1
 
     def memory(self) -> MemoryInfo | None:
-        return MemoryInfo(self.total - self.held, self.total, self.source)
+        with self.gate:
+            return MemoryInfo(self.total - self.held, self.total, self.source)
 
     def ptr(self, array: Any) -> int:
         return int(array.ctypes.data)

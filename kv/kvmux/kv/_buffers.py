@@ -115,6 +115,15 @@ class ArrayKvCache(KvState):
         self.mask[0, self._valid_len : end] = 1
         self._valid_len = end
 
+    def counted(self, n: int) -> None:
+        """Count ``n`` tokens whose mask columns a runner has written itself."""
+        end = self._valid_len + n
+        if n < 0 or end > self._capacity:
+            raise ValueError(
+                f"cannot count {n} tokens: valid {self._valid_len}, capacity {self._capacity}"
+            )
+        self._valid_len = end
+
     def truncate(self, length: int) -> None:
         """Forget tokens past ``length`` (a run that failed after :meth:`advance`)."""
         if not 0 <= length <= self._valid_len:

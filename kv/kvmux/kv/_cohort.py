@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import failpoints
 from ._bucket import resolve_min_bucket
 from ._budget import MemoryBudget, MemoryInfo, host_memory
 from ._buffers import KvState
@@ -59,6 +60,7 @@ from ._spec import KvSpec
 
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 _RESERVED = object()  # a row claimed by a growth that has not committed
+_RETIRED = object()  # a freed row whose zeroing failed: never handed out again
 # Address space on the host, memory on a device; kept well under what a kernel
 # with strict overcommit (which ignores MAP_NORESERVE) may still grant.
 _MAX_RESERVED = 16 << 30
@@ -106,7 +108,12 @@ class CohortStorage(Protocol):
 
     def on_device(self) -> AbstractContextManager[Any]:
         """Make the storage's device (and stream) current on this thread: growths run on
-        other threads than the model."""
+        other threads than the model. Holds :meth:`exclusive`'s lock while inside."""
+        ...
+
+    def exclusive(self) -> AbstractContextManager[Any]:
+        """Held by the model thread while a run may capture a CUDA graph: no other
+        thread's device work (:meth:`on_device`, :meth:`memory`) runs meanwhile."""
         ...
 
     def synchronize(self) -> None:
@@ -180,6 +187,9 @@ class HostStorage:
 
     def on_device(self) -> AbstractContextManager[Any]:
         return nullcontext()
+
+    def exclusive(self) -> AbstractContextManager[Any]:
+        return nullcontext()  # nothing is captured on the host
 
     def synchronize(self) -> None:
         pass  # host copies are complete when they return
@@ -263,6 +273,10 @@ class Cohort:
         self.charge = charge
         self.slots: list[object | None] = [None] * rows
         self.used = 0
+        self.retired = 0  # rows whose zeroing failed (see CohortPool.free)
+
+    def has_room(self) -> bool:
+        return self.used + self.retired < self.rows
 
     def clear_row(self, row: int) -> None:
         self.buffers.clear_row(row)
@@ -350,7 +364,7 @@ class CohortPool:
             with self._lock:
                 # The largest cohort first: the more rows share one, the more one run decodes.
                 for cohort in self._ranked(capacity):
-                    if cohort.used < cohort.rows:
+                    if cohort.has_room():
                         return cohort, self._take(cohort, cohort.slots.index(None))
                 held = sum(c.rows for c in self._cohorts.get(capacity, []))
             # Allocated outside the lock; another claim may allocate one too, harmlessly.
@@ -440,7 +454,7 @@ class CohortPool:
             members.sort(key=lambda c: place(c._cohort, c._row), reverse=True)
             for cache in members:
                 with self._lock:
-                    hole = next((c for c in self._ranked(capacity) if c.used < c.rows), None)
+                    hole = next((c for c in self._ranked(capacity) if c.has_room()), None)
                     if hole is None:
                         break
                     row = hole.slots.index(None)
@@ -459,21 +473,32 @@ class CohortPool:
     def free(self, cohort: Cohort, row: int, *, moved: bool = False) -> None:
         """Take a row back, zeroed; a cohort with no rows left is dropped (unmapped, or
         its device memory freed) and its charge released. ``moved``: the row's session
-        moved to another row of the same capacity, which keeps the row's charge."""
+        moved to another row of the same capacity, which keeps the row's charge.
+
+        It does not raise: it runs where a session ends, in error paths and in a
+        growth's infallible commit. A row whose zeroing fails (a device error) is
+        retired, never handed out again; its cohort is dropped, and its charge
+        released, once its live rows are gone, as always."""
         with self._lock:
             last = cohort.used == 1
             if last:
                 # Nobody can claim a row of it any more: no need to zero this one.
                 self._drop(cohort, row)
         if not last:
-            with self.storage.on_device():
-                cohort.clear_row(row)
-                # The zeroing must land before the row is handed out: the next
-                # claim may write it from another thread's stream.
-                self.storage.synchronize()
+            try:
+                with self.storage.on_device():
+                    failpoints.hit("kv.clear_row")
+                    cohort.clear_row(row)
+                    # The zeroing must land before the row is handed out: the next
+                    # claim may write it from another thread's stream.
+                    self.storage.synchronize()
+                clean = True
+            except Exception:  # noqa: BLE001 - retired below; the release itself goes on
+                clean = False
             with self._lock:
-                cohort.slots[row] = None
+                cohort.slots[row] = None if clean else _RETIRED
                 cohort.used -= 1
+                cohort.retired += not clean
                 if cohort.used == 0:  # the other rows left meanwhile
                     self._drop(cohort, None)
                     last = True
@@ -586,6 +611,16 @@ class RowKvCache(KvState):
             self._cohort.mask[self._row, self._valid_len] = 1
         else:
             self._cohort.mask[self._row, self._valid_len : end] = 1
+        self._valid_len = end
+
+    def counted(self, n: int) -> None:
+        """Count ``n`` tokens whose mask columns a runner has written itself (a batched
+        decode writes every row's column in one scatter)."""
+        end = self._valid_len + n
+        if n < 0 or end > self._capacity:
+            raise ValueError(
+                f"cannot count {n} tokens: valid {self._valid_len}, capacity {self._capacity}"
+            )
         self._valid_len = end
 
     def truncate(self, length: int) -> None:

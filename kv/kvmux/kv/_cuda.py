@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -66,6 +67,8 @@ class CudaStorage:
     per_row = False
 
     def __init__(self, device_id: int = 0) -> None:
+        # Reentrant: a primitive inside on_device may ask for memory() in an error path.
+        self._gate = threading.RLock()
         reason = cuda_unavailable_reason()
         if reason is not None:
             raise KvConfigError(f"CUDA KV storage is unavailable: {reason}")
@@ -100,19 +103,28 @@ class CudaStorage:
 
     @contextmanager
     def _on_device(self) -> Iterator[None]:
-        # CuPy keeps the current device and stream per thread, so threads may
-        # enter this at once; the stream belongs to this storage's device.
-        with self.xp.cuda.Device(self.device_id), self.stream:
+        # CuPy keeps the current device and stream per thread; the gate keeps every
+        # thread's device work out of a CUDA graph capture (see exclusive).
+        with self._gate, self.xp.cuda.Device(self.device_id), self.stream:
             yield
 
     def on_device(self) -> AbstractContextManager[Any]:
         return self._on_device()
 
+    def exclusive(self) -> AbstractContextManager[Any]:
+        """onnxruntime captures graphs in ``cudaStreamCaptureModeGlobal``: a cudaMalloc,
+        memset or synchronizing copy from any other thread meanwhile fails itself and
+        invalidates the capture. Every device call of this storage (allocations,
+        copies, zeroing, memory queries) runs under this lock, so while the model
+        thread holds it for a capturing run, none of them can overlap it."""
+        return self._gate
+
     def synchronize(self) -> None:
         self.stream.synchronize()
 
     def memory(self) -> MemoryInfo | None:
-        return cuda_memory(self.device_id)
+        with self._gate:
+            return cuda_memory(self.device_id)
 
     def ptr(self, array: Any) -> int:
         return int(array.data.ptr)

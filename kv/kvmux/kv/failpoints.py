@@ -3,7 +3,9 @@
 ``KVMUX_FAILPOINTS="kv.copy_prefix"`` fails that step every time;
 ``"kv.copy_prefix=2,kv.allocate=1"`` fails the next two copies and the next
 allocation. ``"engine.run@s7"`` fails only hits that name the key ``s7`` (a
-batched run that holds session ``s7``'s row, say). :func:`slow` makes a step
+batched run that holds session ``s7``'s row, say). ``"kv.allocate!RuntimeError"``
+raises a plain ``RuntimeError`` instead of :class:`InjectedFault`: what a library
+raises that nobody planned for (see :data:`ERRORS`). :func:`slow` makes a step
 sleep instead of fail, to hold a race window open in tests. Unarmed,
 :func:`hit` is two truthiness tests of empty dicts.
 
@@ -31,8 +33,17 @@ _known: set[str] = {
     "kv.fork",
     "kv.build_mask",
     "kv.invalidate_capture",
+    "kv.clear_row",
 }
 _armed: dict[str, int] = {}
+_errors: dict[str, type[Exception]] = {}
+#: What an armed failpoint may raise instead of :class:`InjectedFault`, by name.
+ERRORS: dict[str, type[Exception]] = {
+    "RuntimeError": RuntimeError,
+    "ValueError": ValueError,
+    "KeyError": KeyError,
+    "OSError": OSError,
+}
 _slow: dict[str, float] = {}
 _keys: dict[str, str] = {}
 _lock = threading.Lock()
@@ -47,10 +58,17 @@ def known() -> frozenset[str]:
     return frozenset(_known)
 
 
-def arm(name: str, times: int = ALWAYS, *, key: str | None = None) -> None:
+def arm(
+    name: str,
+    times: int = ALWAYS,
+    *,
+    key: str | None = None,
+    error: type[Exception] | None = None,
+) -> None:
     """Fail ``name`` the next ``times`` hits (``ALWAYS``: until disarmed).
 
-    With ``key``, only hits that name that key count (and fail).
+    With ``key``, only hits that name that key count (and fail). ``error``: raise
+    that type (with a message naming the failpoint) instead of :class:`InjectedFault`.
     """
     if name not in _known:
         raise KvConfigError(f"unknown failpoint {name!r}; known: {', '.join(sorted(_known))}")
@@ -58,6 +76,10 @@ def arm(name: str, times: int = ALWAYS, *, key: str | None = None) -> None:
         raise KvConfigError(f"failpoint {name} count must be positive, got {times}")
     with _lock:
         _armed[name] = times
+        if error is None:
+            _errors.pop(name, None)
+        else:
+            _errors[name] = error
         if key is None:
             _keys.pop(name, None)
         else:
@@ -81,10 +103,12 @@ def disarm(name: str | None = None) -> None:
             _armed.clear()
             _slow.clear()
             _keys.clear()
+            _errors.clear()
         else:
             _armed.pop(name, None)
             _slow.pop(name, None)
             _keys.pop(name, None)
+            _errors.pop(name, None)
 
 
 def active(name: str) -> bool:
@@ -103,9 +127,15 @@ def armed() -> dict[str, int]:
 
 
 @contextmanager
-def armed_for(name: str, times: int = ALWAYS, *, key: str | None = None) -> Iterator[None]:
+def armed_for(
+    name: str,
+    times: int = ALWAYS,
+    *,
+    key: str | None = None,
+    error: type[Exception] | None = None,
+) -> Iterator[None]:
     """Arm ``name`` inside a ``with`` block only."""
-    arm(name, times, key=key)
+    arm(name, times, key=key, error=error)
     try:
         yield
     finally:
@@ -128,24 +158,36 @@ def hit(name: str, keys: Iterable[str] = ()) -> None:
         key = _keys.get(name)
         if key is not None and key not in keys:
             return
+        error = _errors.get(name)
         if remaining != ALWAYS:
             if remaining <= 1:
                 del _armed[name]
+                _errors.pop(name, None)
             else:
                 _armed[name] = remaining - 1
-    raise InjectedFault(name if key is None else f"{name}@{key}")
+    where = name if key is None else f"{name}@{key}"
+    if error is not None:
+        raise error(f"failpoint {where}: an unplanned {error.__name__}")
+    raise InjectedFault(where)
 
 
 def parse_spec(spec: str) -> dict[str, int]:
-    """Parse ``"a,b=2,c@k"`` into ``{"a": ALWAYS, "b": 2, "c@k": ALWAYS}``; errors name the bad
-    part."""
+    """Parse ``"a,b=2,c@k,d!RuntimeError"`` into ``{"a": ALWAYS, "b": 2, "c@k": ALWAYS,
+    "d!RuntimeError": ALWAYS}``; errors name the bad part."""
     parsed: dict[str, int] = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
         target, sep, count = part.partition("=")
+        target, bang, error = target.strip().partition("!")
         name, _, key = target.strip().partition("@")
         target = name if not key else f"{name}@{key}"
+        if bang:
+            if error not in ERRORS:
+                raise KvConfigError(
+                    f"{ENV}: {name} may raise one of {', '.join(ERRORS)}, not {error!r}"
+                )
+            target = f"{target}!{error}"
         if name not in _known:
             raise KvConfigError(
                 f"{ENV}: unknown failpoint {name!r}; known: {', '.join(sorted(_known))}"
@@ -191,6 +233,7 @@ def arm_from_env() -> dict[str, int]:
     spec = os.environ.get(ENV, "")
     parsed = parse_spec(spec)
     for target, times in parsed.items():
+        target, _, error = target.partition("!")
         name, _, key = target.partition("@")
-        arm(name, times, key=key or None)
+        arm(name, times, key=key or None, error=ERRORS[error] if error else None)
     return parsed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,10 +24,8 @@ from kvmux.kv import (
     PrefixCache,
     RowKvCache,
     classify_cause,
-    cuda_memory,
     ensure_capacity,
     failpoints,
-    host_memory,
     resolve_hard_max,
     resolve_min_bucket,
 )
@@ -44,7 +42,7 @@ from ..model import (
 )
 from .batching import plan, split_failed
 from .errors import BadPrompt, RunFailed
-from .runner import ModelRunner, RowInput
+from .runner import DecodeSpan, ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
 from .session import Completion, DecodeSession, StepOutput
@@ -76,9 +74,9 @@ class EngineOptions:
     max_len: int | None = None
     cuda_graph: bool = False
     #: Rows of one cohort buffer: the most sessions of one bucket one run decodes.
-    rows_per_cohort: int = 64
+    rows_per_cohort: int = 256
     #: The most rows of one run; 1 decodes every session in a run of its own.
-    max_batch: int = 64
+    max_batch: int = 256
     #: A chat template file that overrides the model's own (config model.chat_template).
     chat_template: Path | None = None
     #: Keep prompt KV for sessions whose prompts begin alike (config kv.prefix_cache);
@@ -121,6 +119,8 @@ class _Planned:
     rows: list[_Row]
     runs: list[list[_Row]]
     reusable: bool
+    #: The decode span of each run (by index) that last decoded its rows.
+    spans: dict[int, DecodeSpan] = field(default_factory=dict)
 
 
 class Engine:
@@ -207,6 +207,7 @@ class Engine:
             device="cuda" if self.on_cuda else "cpu",
             device_id=self.device_id,
             graphs=self.graphs_enabled,
+            exclusive=self.pool.storage.exclusive,
         )
         self._planned: _Planned | None = None
 
@@ -360,11 +361,17 @@ class Engine:
         fails stops there; the others go on, with the tokens they would have
         had alone. A session whose step does not fit its bucket grows here, on
         this thread (the daemon grows sessions before, under its growth lock).
+
+        While every session decodes, each run's rows take their steps as a
+        :class:`DecodeSpan` (array operations whose count does not follow the
+        rows), as many as fit their buckets and lengths; a span stops early at
+        the step where one of its rows ends.
         """
         acc = [StepOutput() for _ in sessions]
         errors: list[Exception | None] = [None] * len(sessions)
+        left = [steps] * len(sessions)
         live = list(range(len(sessions)))
-        for _ in range(steps):
+        while live:
             fed: list[tuple[int, DecodeSession, list[int]]] = []
             for i in live:
                 session = sessions[i]
@@ -377,30 +384,140 @@ class Engine:
                 if tokens is not None:
                     fed.append((i, session, tokens))
             self._planned = planned = self._plan(fed, self._planned)
-            for run in planned.runs:
-                results: list[np.ndarray[Any, Any] | Exception]
-                picks = None
-                try:
-                    logits = self.runner.run(run)
-                except Exception as exc:  # noqa: BLE001 - split until only the failing row fails
-                    results = split_failed(run, self._run_rows, exc)
+            for k, run in enumerate(planned.runs):
+                if planned.reusable:
+                    self._decode_span(planned, k, fed, acc, errors, left)
                 else:
-                    results = list(logits)
-                    if any(r.picks_argmax for r in run):
-                        # One argmax for the run instead of one per row.
-                        picks = logits.argmax(axis=1).tolist()
-                for j, row in enumerate(run):
-                    i, session, tokens = fed[row.index]
-                    result = results[j]
-                    try:
-                        if isinstance(result, Exception):
-                            raise self.translate_run_error(result, session, len(tokens))
-                        pick = None if picks is None else picks[j]
-                        session.took(len(tokens), result, acc[i], pick)
-                    except Exception as exc:  # noqa: BLE001 - that item fails alone
-                        errors[i] = exc
-            live = [i for i in live if errors[i] is None and not acc[i].finished]
+                    self._run_once(run, fed, acc, errors)
+                    for row in run:
+                        left[fed[row.index][0]] -= 1
+            live = [i for i in live if errors[i] is None and not acc[i].finished and left[i] > 0]
         return [a if e is None else e for a, e in zip(acc, errors, strict=True)]
+
+    def _run_once(
+        self,
+        run: list[_Row],
+        fed: Sequence[tuple[int, DecodeSession, list[int]]],
+        acc: list[StepOutput],
+        errors: list[Exception | None],
+        failed: Exception | None = None,
+    ) -> None:
+        """One run of ``run``'s rows (split until only a failing row fails); each row's
+        session takes what its logits give. ``failed``: the run has failed already
+        with it (it is split at once)."""
+        results: list[np.ndarray[Any, Any] | Exception]
+        picks = None
+        try:
+            if failed is not None:
+                raise failed
+            logits = self.runner.run(run)
+        except Exception as exc:  # noqa: BLE001 - split until only the failing row fails
+            results = split_failed(run, self._run_rows, exc)
+        else:
+            results = list(logits)
+            if any(r.picks_argmax for r in run):
+                # One argmax for the run instead of one per row.
+                picks = logits.argmax(axis=1).tolist()
+        for j, row in enumerate(run):
+            i, session, tokens = fed[row.index]
+            result = results[j]
+            try:
+                if isinstance(result, Exception):
+                    raise self.translate_run_error(result, session, len(tokens))
+                pick = None if picks is None else picks[j]
+                session.took(len(tokens), result, acc[i], pick)
+            except Exception as exc:  # noqa: BLE001 - that item fails alone
+                errors[i] = exc
+
+    def _decode_span(
+        self,
+        planned: _Planned,
+        k: int,
+        fed: Sequence[tuple[int, DecodeSession, list[int]]],
+        acc: list[StepOutput],
+        errors: list[Exception | None],
+        left: list[int],
+    ) -> None:
+        """Decode steps of one run's rows as a :class:`DecodeSpan`: as many as every row
+        has room, length and steps left for, fewer when a row ends. The host work per
+        step is a fixed number of array operations, plus the rows that need their
+        logits on the host (sampling, penalties, logprobs, stop strings). A run that
+        fails at its first step goes the one-run way (split until the failing row
+        fails alone); later, it ends the span, whose steps so far stand.
+
+        The span is kept with the plan: while the next call decodes the same rows
+        (the plan is reused) and nothing else ran them, it goes on from its own
+        arrays, with no row read again."""
+        run = planned.runs[k]
+        index = [fed[row.index][0] for row in run]
+        sessions = [fed[row.index][1] for row in run]
+        steps = min(min(left[i] for i in index), min(s.ahead for s in sessions))
+        if steps < 1:  # cannot be, by feed(); the one-run way is always right
+            self._run_once(run, fed, acc, errors)
+            for i in index:
+                left[i] -= 1
+            return
+        host = [j for j, s in enumerate(sessions) if not s.on_device]
+        span = planned.spans.get(k)
+        if span is None or not span.current():
+            try:
+                span = planned.spans[k] = DecodeSpan(self.runner, run, host)
+            except Exception as exc:  # noqa: BLE001 - the one-run way says which row cannot run
+                planned.spans.pop(k, None)
+                self._run_once(run, fed, acc, errors, exc)
+                for i in index:
+                    left[i] -= 1
+                return
+        ends = _ends_matrix([s.end_ids if s.on_device else frozenset() for s in sessions])
+        out = np.empty((steps, len(run)), dtype=np.int64)
+        ended: np.ndarray[Any, Any] | None = None
+        failed: Exception | None = None
+        chosen = np.empty(len(host), dtype=np.int64)
+        while span.steps < steps:
+            try:
+                picks = span.step()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                failed = exc
+                break
+            out[span.steps - 1] = picks
+            stop = False
+            if host:
+                for h, (j, logits) in enumerate(zip(host, span.host_logits(), strict=True)):
+                    session = sessions[j]
+                    try:
+                        session.took(1, logits, acc[index[j]])
+                    except Exception as exc:  # noqa: BLE001 - that item fails alone
+                        errors[index[j]] = exc
+                        stop = True
+                        continue
+                    stop = stop or session.finished
+                    chosen[h] = session.pending
+                span.choose(chosen)
+            if ends is not None:
+                hit = (picks[:, None] == ends).any(axis=1)
+                if hit.any():
+                    ended, stop = hit, True
+            if stop:
+                break
+        taken = span.steps
+        span.settle()
+        if failed is not None and taken == 0:
+            planned.spans.pop(k, None)
+            self._run_once(run, fed, acc, errors, failed)
+            for i in index:
+                left[i] -= 1
+            return
+        columns = out[:taken].T.tolist()
+        for j, session in enumerate(sessions):
+            left[index[j]] -= taken
+            if not session.on_device:
+                continue
+            end = ended is not None and bool(ended[j])
+            tokens = columns[j][:-1] if end else columns[j]
+            try:
+                session.accept_run(tokens, end, acc[index[j]])
+            except Exception as exc:  # noqa: BLE001 - that item fails alone
+                errors[index[j]] = exc
 
     def _plan(
         self, fed: Sequence[tuple[int, DecodeSession, list[int]]], last: _Planned | None
@@ -415,7 +532,8 @@ class Engine:
         steady state) nothing is moved or even looked at.
         """
         places = [s.cache.placement() for _, s, _ in fed]
-        decoding = all(len(tokens) == 1 for _, _, tokens in fed)
+        # A prompt's last chunk may be one token too: decoding is past the prompt.
+        decoding = all(len(tokens) == 1 and not s.prefilling for _, s, tokens in fed)
         if (
             decoding
             and last is not None
@@ -471,7 +589,7 @@ class Engine:
         if budget is not None:
             return budget
         try:
-            return cuda_memory(self.device_id) if self.on_cuda else host_memory()
+            return self.pool.storage.memory()
         except Exception:  # noqa: BLE001 - a status probe must not fail the caller
             return None
 
@@ -493,6 +611,18 @@ class Engine:
                 "session_unchanged": True,
             },
         )
+
+
+def _ends_matrix(ends: Sequence[frozenset[int]]) -> np.ndarray[Any, Any] | None:
+    """Each row's end ids as one ``[rows, most ends]`` array (-1 pads; no token is -1),
+    or None when no row has any."""
+    widest = max(map(len, ends), default=0)
+    if widest == 0:
+        return None
+    out = np.full((len(ends), widest), -1, dtype=np.int64)
+    for j, row in enumerate(ends):
+        out[j, : len(row)] = sorted(row)
+    return out
 
 
 def _one_span_per_bucket(places: Sequence[Placement]) -> bool:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,13 +23,13 @@ from ..model import ModelSpec
 from .runtime import OrtSession
 
 failpoints.register("engine.run")
+failpoints.register("engine.capture")
 
 # Bindings are reused while the same rows of the same buffers run again (the
 # steady state of a decode loop); a few dozen spans cover any ready set.
 _MAX_BINDINGS = 64
-# A mask width that changes costs onnxruntime a re-plan of the run (a step at
-# N=1 on `small` 8.9 ms with the width following every token, 8.3 ms at a
-# fixed width), so the width grows in steps of this many tokens.
+# A prompt chunk's mask is as wide as its rows' past and chunk, rounded up to a
+# multiple of this: a width that changes costs onnxruntime a re-plan of the run.
 _MASK_STEP = 32
 
 
@@ -43,6 +44,7 @@ class RowCache(Protocol):
     def capacity(self) -> int: ...
     def placement(self) -> Placement: ...
     def advance(self, n: int) -> None: ...
+    def counted(self, n: int) -> None: ...
     def truncate(self, length: int) -> None: ...
     def ptr(self, array: Any) -> int: ...
 
@@ -70,9 +72,11 @@ class _Bound:
     ids: Any
     pos: Any
     logits: Any
-    mask: Any  # room for the rows' mask at up to the full capacity, flat
+    mask: Any  # a prompt chunk's copy of its rows' mask (decode runs bind theirs in place)
     graph_options: Any = None
     mask_width: int = 0
+    #: Counts the runs of :meth:`ModelRunner.run` on it (a span's inputs are stale after one).
+    version: int = 0
     #: The placements :meth:`ModelRunner.check` last passed for these rows.
     checked: Sequence[Placement] = ()
 
@@ -93,8 +97,10 @@ class ModelRunner:
         device: str,
         device_id: int,
         graphs: bool,
+        exclusive: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
         self.ort = ort
+        self.exclusive = exclusive
         self.spec = spec
         self.xp = xp
         self.device = device
@@ -185,20 +191,20 @@ class ModelRunner:
             run_options = bound.graph_options
         for r in rows:
             r.cache.advance(len(r.tokens))
-        longest = max(start + len(r.tokens) for r, start in zip(rows, starts, strict=True))
-        width = min(-(-longest // _MASK_STEP) * _MASK_STEP, p0.capacity)
-        if n_tok > 1 and n_rows > 1:
-            # A mask wider than the prompts reads as past context, which
-            # onnxruntime refuses in a batch of prompts.
-            width = n_tok
-        self._bind_mask(bound, p0, n_rows, width, cache0)
-        if self.device == "cuda":
-            # Inputs were written on CuPy's stream; onnxruntime runs on its own
-            # (non-blocking) stream and must not read them before they land.
-            self.xp.cuda.get_current_stream().synchronize()
+        if n_tok == 1:
+            self.bind_mask_in_place(bound, p0, n_rows, cache0)
+        else:
+            longest = max(start + len(r.tokens) for r, start in zip(rows, starts, strict=True))
+            width = min(-(-longest // _MASK_STEP) * _MASK_STEP, p0.capacity)
+            if n_rows > 1:
+                # A mask wider than the prompts reads as past context, which
+                # onnxruntime refuses in a batch of prompts.
+                width = n_tok
+            self._bind_mask(bound, p0, n_rows, width)
+        bound.version += 1
         try:
             failpoints.hit("engine.run", [r.key for r in rows])
-            self.ort.session.run_with_iobinding(bound.io, run_options)
+            self.launch(bound.io, run_options)
         except BaseException:
             for r, start in zip(rows, starts, strict=True):
                 r.cache.truncate(start)
@@ -215,6 +221,26 @@ class ModelRunner:
         if self.device == "cuda":
             last = self.xp.asnumpy(last)
         return np.asarray(last, dtype=np.float32)
+
+    def launch(self, io: Any, run_options: Any) -> None:
+        """One onnxruntime run of a bound IOBinding.
+
+        A run that may capture a CUDA graph holds the storage's ``exclusive`` context:
+        onnxruntime captures in ``cudaStreamCaptureModeGlobal``, where a cudaMalloc,
+        a memset or a synchronizing copy issued by any other thread (a growth, a
+        release, a prefix fork: all of them run inside the storage's ``on_device``,
+        which takes the same lock) fails and breaks the capture.
+        """
+        if self.device == "cuda":
+            # Inputs were written on CuPy's stream; onnxruntime runs on its own
+            # (non-blocking) stream and must not read them before they land.
+            self.xp.cuda.get_current_stream().synchronize()
+        if run_options is self._no_graph:
+            self.ort.session.run_with_iobinding(io, run_options)
+        else:
+            with self.exclusive():
+                failpoints.hit("engine.capture")
+                self.ort.session.run_with_iobinding(io, run_options)
 
     def _put(self, dst: Any, values: list[int]) -> None:
         """One value per row into a ``[rows, 1]`` input, in one copy."""
@@ -239,36 +265,46 @@ class ModelRunner:
             io.bind_output(spec.present_key_names[layer], dev, did, kv_type, shape, k)
             io.bind_output(spec.present_value_names[layer], dev, did, kv_type, shape, v)
 
-    def _bind_mask(self, bound: _Bound, p: Placement, n_rows: int, width: int, cache: Any) -> None:
-        """Bind the rows' mask only as wide as the longest row, as onnxruntime-genai does.
-
-        The KV buffers stay bound at the bucket's capacity, but GQA's work follows
-        the mask's width (total_sequence_length): on `small`, 16 rows of 20
-        tokens cost 25.2 ms per step with a mask 21 wide and 27.3 ms at 256.
-        A captured CUDA graph needs fixed shapes and addresses, so with graphs
-        the cache's own mask rows are bound in place at full width.
-        """
+    def _bind_mask(self, bound: _Bound, p: Placement, n_rows: int, width: int) -> None:
+        """A prompt chunk's mask: a copy of its rows' mask, only as wide as its longest row."""
         mask = p.mask
-        if self.graphs:
-            width = p.capacity
-        else:
-            dst = bound.mask[: n_rows * width].reshape(n_rows, width)
-            dst[...] = mask[p.row : p.row + n_rows, :width]
+        dst = bound.mask[: n_rows * width].reshape(n_rows, width)
+        dst[...] = mask[p.row : p.row + n_rows, :width]
         if bound.mask_width != width:
-            # An address costs a few microseconds (ctypes on the host): taken only to bind.
-            if self.graphs:
-                ptr = cache.ptr(mask) + p.row * p.capacity * mask.dtype.itemsize
-            else:
-                ptr = cache.ptr(bound.mask)
             bound.io.bind_input(
                 self.spec.attention_mask_name,
                 self.device,
                 self.device_id,
                 mask.dtype,
                 (n_rows, width),
-                ptr,
+                self.ptr(bound.mask),
             )
             bound.mask_width = width
+
+    def bind_mask_in_place(self, bound: _Bound, p: Placement, n_rows: int, cache: Any) -> None:
+        """A decode run's mask: its rows of the cohort's own mask, bound where they are at
+        the bucket's full width (adjacent rows of ``[rows, capacity]`` are contiguous).
+
+        Nothing is copied per step, the addresses stay fixed (what a captured CUDA
+        graph needs) and the width is the bucket's, as the bare loop binds it; GQA
+        reads only each row's valid length of the KV (FACTS: a step's cost follows
+        the valid length, not the bound capacity).
+        """
+        if bound.mask_width != -1:
+            mask = p.mask
+            bound.io.bind_input(
+                self.spec.attention_mask_name,
+                self.device,
+                self.device_id,
+                mask.dtype,
+                (n_rows, p.capacity),
+                cache.ptr(mask) + p.row * p.capacity * mask.dtype.itemsize,
+            )
+            bound.mask_width = -1  # in place
+
+    def ptr(self, array: Any) -> int:
+        # An address costs a few microseconds (ctypes on the host): taken only to bind.
+        return int(array.data.ptr) if self.device == "cuda" else int(array.ctypes.data)
 
     def _bind_io(self, io: Any, ids: Any, pos: Any, logits: Any, cache: RowCache) -> None:
         spec, dev, did = self.spec, self.device, self.device_id
@@ -288,10 +324,9 @@ class ModelRunner:
         ids = xp.empty((n_rows, 1), dtype=spec.input_ids_dtype)
         pos = xp.empty((n_rows, 1), dtype=np.int64)
         logits = xp.empty((n_rows, 1, spec.vocab_size), dtype=spec.logits_dtype)
-        mask = xp.zeros(n_rows * p.capacity, dtype=p.mask.dtype)
         self._bind_kv(io, p, n_rows, cache)
         self._bind_io(io, ids, pos, logits, cache)
-        bound = _Bound(io, ids, pos, logits, mask)
+        bound = _Bound(io, ids, pos, logits, None)
         self._bound[key] = bound
         while len(self._bound) > _MAX_BINDINGS:
             self._bound.popitem(last=False)
@@ -318,3 +353,103 @@ class ModelRunner:
         """Drop bindings of buffers that are gone (their pointers must not be run again)."""
         for key in [k for k in self._bound if k[0] == group]:
             del self._bound[key]
+
+
+class DecodeSpan:
+    """``n`` adjacent rows of one cohort decoding together for some steps, each step a fixed
+    number of array operations whatever ``n`` is (vLLM's persistent input buffers, in small).
+
+    The rows' lengths and next tokens live in arrays on the runner's device; a step
+    writes the positions, one scatter marks each row's new mask column, one run,
+    one argmax: the picked ids stay on the device as the next step's input and only
+    they cross to the host. Rows whose token the host chooses (sampling, penalties,
+    logprobs, stop strings: :meth:`host_logits`, :meth:`choose`) have only their own
+    logits copied. The caches count the tokens once, when the caller :meth:`settles`.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        rows: Sequence[RowInput],
+        host: Sequence[int],
+    ) -> None:
+        xp = runner.xp
+        cache0 = rows[0].cache
+        p = rows[0].placement()
+        n = len(rows)
+        self.runner = runner
+        self.n = n
+        self.caches = [r.cache for r in rows]
+        self.bound = bound = runner._decode_binding(p, n, cache0)
+        if len(bound.checked) != n or not all(
+            map(operator.is_, (r.placement() for r in rows), bound.checked)
+        ):
+            bound.checked = runner.check(rows)
+        runner.bind_mask_in_place(bound, p, n, cache0)
+        self.mask = p.mask
+        self.rows = xp.arange(p.row, p.row + n)
+        self.lens = xp.asarray(np.fromiter((c.valid_len for c in self.caches), np.int64, n))
+        bound.ids[:, 0] = xp.asarray(np.fromiter((r.tokens[0] for r in rows), np.int64, n))
+        self.host = np.asarray(host, dtype=np.int64)
+        self._host_dev = xp.asarray(self.host)
+        self.steps = 0
+        self.run_options = runner._no_graph
+        if runner.graphs:
+            if bound.graph_options is None or not all(c.capture_valid for c in self.caches):
+                runner._graph_ids += 1
+                bound.graph_options = runner.run_options(runner._graph_ids)
+            self.run_options = bound.graph_options
+        self._keys = [r.key for r in rows]
+        self._version = bound.version
+
+    def current(self) -> bool:
+        """Whether its arrays still hold its rows' state: nothing but this span ran them
+        since, and no capture they rely on was invalidated."""
+        if self.bound.version != self._version:
+            return False
+        return not self.runner.graphs or all(c.capture_valid for c in self.caches)
+
+    def step(self) -> np.ndarray[Any, Any]:
+        """One decode step of every row; returns the argmax of each row's logits (host ids).
+
+        A run that fails leaves the rows as they were before this step, and raises."""
+        runner, b = self.runner, self.bound
+        b.pos[:, 0] = self.lens
+        self.mask[self.rows, self.lens] = 1
+        try:
+            failpoints.hit("engine.run", self._keys)
+            runner.launch(b.io, self.run_options)
+        except BaseException:
+            self.mask[self.rows, self.lens] = 0
+            raise
+        self.lens += 1
+        self.steps += 1
+        runner.runs += 1
+        runner.rows_run += self.n
+        picks = b.logits[:, 0, :].argmax(axis=1)
+        b.ids[:, 0] = picks
+        if runner.device == "cuda":
+            return runner.xp.asnumpy(picks)  # type: ignore[no-any-return]
+        return picks  # type: ignore[no-any-return]
+
+    def host_logits(self) -> np.ndarray[Any, Any]:
+        """The last step's logits of the host rows only, ``[len(host), vocab]`` float32."""
+        last = self.bound.logits[self._host_dev, 0, :]
+        if self.runner.device == "cuda":
+            last = self.runner.xp.asnumpy(last)
+        return np.asarray(last, dtype=np.float32)
+
+    def choose(self, tokens: np.ndarray[Any, Any]) -> None:
+        """The host rows' next input tokens, in :attr:`host` order (one copy)."""
+        self.bound.ids[self._host_dev, 0] = self.runner.xp.asarray(tokens)
+
+    def settle(self) -> None:
+        """The caches count the steps taken (their mask columns are written already)."""
+        steps = self.steps
+        if steps:
+            for c in self.caches:
+                c.counted(steps)
+            if self.run_options is not self.runner._no_graph:
+                for c in self.caches:
+                    c.capture_valid = True
+        self.steps = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from kvmux.kv import (
     PromptKey,
     RowKvCache,
     ensure_capacity,
+    failpoints,
 )
 
 from .sampling import ResolvedSampling, Sampler, StepLogprobs, step_logprobs
@@ -25,15 +27,36 @@ from .text import TextStream
 if TYPE_CHECKING:
     from .engine import Engine
 
+failpoints.register("engine.accept")
+
 
 @dataclass(slots=True)
 class StepOutput:
-    """What one step produced: new token ids (none while prefilling), text, and the end."""
+    """What steps produced: new token ids (none while prefilling), text, and the end.
+
+    The text of a session without stop strings is decoded when it is first read,
+    not on the model thread: the daemon reads it on its event loop while the next
+    run goes on. Read the outputs of one session in the order they were made; the
+    first read decodes every token the session has produced so far, so a later
+    output read first carries the earlier ones' text too.
+    """
 
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     finished: bool = False
     finish_reason: str | None = None
+    _text: str = ""
+    _source: DecodeSession | None = None  # holds tokens not yet decoded
+
+    @property
+    def text(self) -> str:
+        if self._source is not None:
+            self._text += self._source.drain_text()
+            self._source = None
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
 
 
 def still_going(out: StepOutput | Exception) -> bool:
@@ -99,6 +122,13 @@ class DecodeSession:
             skip_special_tokens=sampling.skip_special_tokens
         )
         self.stream = TextStream(decoder, sampling.stop)
+        # Without stop strings nothing about the end depends on the text, so it is
+        # decoded where it is read (see StepOutput.text), under this lock: the model
+        # thread appends tokens while the daemon's loop decodes earlier ones.
+        self.defers_text = not sampling.stop
+        self._undecoded: list[int] = []
+        self._flush_pending = False  # finished, the decoder's rest not yet taken
+        self._text_lock = threading.Lock()
         self.generated: list[int] = []
         self.logprobs: list[StepLogprobs] | None = [] if sampling.logprobs is not None else None
         self.finished = False
@@ -107,6 +137,10 @@ class DecodeSession:
         self._prompt_pos = 0
         self.cached_tokens = 0
         self._pending: int | None = None
+        self._max_new = sampling.max_new_tokens
+        #: Set by :meth:`feed` when it feeds a decode step: the decode steps it can
+        #: take from there without growing or reaching its length.
+        self.ahead = 0
         #: Its next token is the logits' argmax and nothing else (greedy, no penalty,
         #: no min_tokens, no logprobs): the engine may take it for a whole run at once.
         self.picks_argmax = self.sampler.plain and sampling.greedy and sampling.logprobs is None
@@ -151,6 +185,23 @@ class DecodeSession:
     @property
     def hard_max(self) -> HardMax:
         return self.cache.hard_max
+
+    @property
+    def on_device(self) -> bool:
+        """Nothing of a decode step needs its logits or text on the host: the engine
+        takes its token from the argmax where the logits are."""
+        return self.picks_argmax and self.defers_text
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """The ids that end it (its stop token ids; EOS unless it ignores EOS)."""
+        return self._ends
+
+    @property
+    def pending(self) -> int:
+        """The token its next decode step feeds."""
+        assert self._pending is not None
+        return self._pending
 
     def ensure_capacity(self) -> GrowthResult:
         return ensure_capacity(self.cache, self.required_capacity())
@@ -223,8 +274,11 @@ class DecodeSession:
         prefilling = pos < len(self.prompt_ids)
         if not prefilling:  # the common case, first: a decode step that fits its bucket
             need = cache.valid_len + 1
-            if need <= cache.capacity and need <= self._limit:
+            room = min(cache.capacity, self._limit)
+            if need <= room:
                 assert self._pending is not None
+                # Decode steps from here with no growth and no end by length.
+                self.ahead = min(room - need + 1, self._max_new - len(self.generated))
                 return [self._pending]
         n = min(len(self.prompt_ids) - pos, self._chunk) if prefilling else 1
         need = cache.valid_len + n
@@ -237,6 +291,8 @@ class DecodeSession:
         if prefilling:
             return self.prompt_ids[pos : pos + n]
         assert self._pending is not None
+        room = min(cache.capacity, self._limit)
+        self.ahead = min(room - need + 1, self._max_new - len(self.generated))
         return [self._pending]
 
     def took(
@@ -250,6 +306,7 @@ class DecodeSession:
             self._prompt_pos += n
             if self._prompt_pos < len(self.prompt_ids):
                 return
+        failpoints.hit("engine.accept", (self.session_id,))
         if pick is not None and self.picks_argmax:
             self._accept(pick, None, into)
             return
@@ -276,7 +333,12 @@ class DecodeSession:
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
         into.token_ids.append(token)
-        into.text += self.stream.push(token)
+        if self.defers_text:
+            with self._text_lock:
+                self._undecoded.append(token)
+            into._source = self
+        else:
+            into.text += self.stream.push(token)
         if self.stream.stopped:
             self._finish("stop", into)
         elif len(self.generated) >= self.sampling.max_new_tokens:
@@ -284,15 +346,51 @@ class DecodeSession:
         else:
             self._pending = token
 
+    def accept_run(self, tokens: list[int], ended: bool, into: StepOutput) -> None:
+        """Tokens the engine's array step chose for this :attr:`on_device` session, in
+        order, already checked against its ends and its length: all of them are its
+        own, then it finished with ``stop`` when ``ended`` (the token after them was an
+        end, not kept) or ``length`` at its ``max_new_tokens``."""
+        failpoints.hit("engine.accept", (self.session_id,))
+        if tokens:
+            self.generated += tokens
+            into.token_ids += tokens
+            with self._text_lock:
+                self._undecoded += tokens
+            into._source = self
+            self._pending = tokens[-1]
+        if ended:
+            self._finish("stop", into)
+        elif len(self.generated) >= self.sampling.max_new_tokens:
+            self._finish("length", into)
+
+    def drain_text(self) -> str:
+        """The text of the tokens not yet decoded (see :class:`StepOutput`), and once it
+        has finished, the decoder's rest."""
+        with self._text_lock:
+            tokens, self._undecoded = self._undecoded, []
+            text = "".join(map(self.stream.push, tokens))
+            if self._flush_pending:
+                self._flush_pending = False
+                text += self.stream.finish()
+            return text
+
     def _finish(self, reason: str, into: StepOutput) -> None:
         self.finished = True
         self.finish_reason = reason
-        into.text += self.stream.finish()
+        if self.defers_text:
+            with self._text_lock:
+                self._flush_pending = True
+            into._source = self
+        else:
+            into.text += self.stream.finish()
         into.finished, into.finish_reason = True, reason
 
     def completion(self) -> Completion:
         if not self.finished or self.finish_reason is None:
             raise RuntimeError(f"session {self.session_id} has not finished")
+        if self.defers_text:
+            self.drain_text()  # text its outputs' readers have not taken yet
         return Completion(
             text=self.stream.text,
             token_ids=list(self.generated),

@@ -549,6 +549,10 @@ class TurnLoop:
             self._job_done(job)
         if freed:
             self._unpark()
+        elif self.prefix.waiting:
+            # Items may wait for its prefill: with nothing freed (it failed before its
+            # first row) no one else wakes the loop to let them open.
+            self.poke()
 
     def _preempt(self, state: ItemState) -> None:
         """Release ``state``'s KV and put it back at the head of its job's queue; it
