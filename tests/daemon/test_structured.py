@@ -232,7 +232,7 @@ async def test_sigkilled_constrained_items_resume_with_the_output_of_an_uninterr
     """An item in progress at the kill decodes again from its journaled item (its seed
     resolved), its matcher rebuilt and fed the same tokens: the uninterrupted output."""
     endpoint = f"ipc://{state}/kvmuxd.sock"
-    tables = {
+    tables: dict[str, dict[str, object]] = {
         "kv": {"min_bucket": 8},
         "scheduler": {"max_active_sessions": 8},
         "jobs": {"journal": str(state / "jobs.sqlite3")},
