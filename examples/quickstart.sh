@@ -5,7 +5,8 @@
 #   3. wait until it answers, show its status,
 #   4. submit examples/prompts.jsonl through the kvmux CLI and print the results,
 #   5. ask one chat completion of OpenAI's HTTP API the daemon serves beside its socket,
-#   6. stop the daemon (SIGTERM), also when a step fails or on Ctrl-C.
+#   6. submit examples/structured.jsonl: one answer constrained to a JSON schema,
+#   7. stop the daemon (SIGTERM), also when a step fails or on Ctrl-C.
 #
 # examples/prompts.jsonl holds one item that deliberately exceeds its
 # max_context, so `kvmux submit` exits 2 ("some items failed"). This script
@@ -126,9 +127,25 @@ EOF
 ) || answered=""
 echo "${answered:-  no answer}"
 
+# Structured outputs: an answer that must match a JSON schema (whatever the model).
+structured=$work/structured.jsonl
 echo
-if [[ $rc -eq 2 && $expected == yes && -n $answered ]]; then
-    echo "quickstart: as designed: every item ok except the one over its max_context (kv_capacity_exceeded), and the HTTP API answered"
+echo "quickstart: kvmux submit examples/structured.jsonl (one answer under a JSON schema)"
+"$kvmux" submit examples/structured.jsonl --out "$structured" >/dev/null 2>&1 || true
+schema_ok=$("$py" - "$structured" <<'EOF'
+import json
+import sys
+
+(r,) = [json.loads(line) for line in open(sys.argv[1], encoding="utf-8")]
+ok = r["status"] == "ok" and r["finish_reason"] == "stop" and isinstance(json.loads(r["text"]), dict)
+print(f"  {r['custom_id']}: finish {r.get('finish_reason')}: {r.get('text', r.get('error'))}", file=sys.stderr)
+print("yes" if ok else "no")
+EOF
+) || schema_ok=no
+
+echo
+if [[ $rc -eq 2 && $expected == yes && -n $answered && $schema_ok == yes ]]; then
+    echo "quickstart: as designed: every item ok except the one over its max_context (kv_capacity_exceeded), the HTTP API answered, and the JSON matched its schema"
     exit 0
 fi
 

@@ -89,11 +89,13 @@ def test_chat_content_parts_flatten_and_other_parts_are_refused() -> None:
         (chat("x", max_tokens=1, max_completion_tokens=1), "not both"),
         (chat("x", top_logprobs=2), "needs `body.logprobs`: true"),
         (chat("x", tools=[{"type": "function"}]), "no tool calling"),
-        (chat("x", response_format={"type": "json_object"}), "no structured output"),
+        (chat("x", response_format={"type": "xml"}), "text, json_object or json_schema"),
     ]:
         (err,) = read_batch([raw]).errors
         assert reason in err.reason, err.reason
     assert read_batch([chat("x", response_format={"type": "text"})]).items
+    (constrained,) = read_batch([chat("x", response_format={"type": "json_object"})]).items
+    assert constrained.structured_outputs == p.StructuredOutputs(json_object=True)
 
 
 def test_bom_crlf_and_duplicate_custom_ids() -> None:

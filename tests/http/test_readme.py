@@ -29,7 +29,7 @@ def test_the_readme_examples_point_at_the_shipped_configs_address() -> None:
     assert 'listen = "127.0.0.1:8000"' in shipped
 
 
-@pytest.mark.parametrize("index", range(2))
+@pytest.mark.parametrize("index", range(3))
 def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> None:
     code = _blocks("python")[index].replace(WRITTEN, daemon.http_url)
     done = subprocess.run(
@@ -45,7 +45,7 @@ def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> No
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the README's shell examples use curl")
 def test_the_readme_curl_examples_run(daemon: DaemonProcess) -> None:
-    (script,) = _blocks("sh")
+    script = "\n".join(_blocks("sh"))
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", script.replace(WRITTEN, daemon.http_url)],
         capture_output=True,
@@ -55,3 +55,4 @@ def test_the_readme_curl_examples_run(daemon: DaemonProcess) -> None:
     assert done.returncode == 0, done.stderr
     assert '"chat.completion"' in done.stdout and "data: [DONE]" in done.stdout
     assert '{"status":"ready"}' in done.stdout
+    assert re.search(r'"content":"(red|green|blue)"', done.stdout), done.stdout

@@ -26,7 +26,14 @@ from .errors import (
     error_from_info,
 )
 from .follow import results_through_restarts
-from .protocol import PROTOCOL_VERSION, DaemonStatus, Event, Item, ItemResult
+from .protocol import (
+    PROTOCOL_VERSION,
+    DaemonStatus,
+    Event,
+    Item,
+    ItemResult,
+    StructuredOutputs,
+)
 
 try:
     __version__ = version("kvmux")
@@ -55,6 +62,7 @@ __all__ = [
     "RunFailed",
     "ShuttingDown",
     "StorageFull",
+    "StructuredOutputs",
     "Unauthorized",
     "VersionMismatch",
     "client_default_endpoint",

@@ -8,10 +8,15 @@ extras included) are read by :func:`to_items`. ``n`` > 1 and a list of prompts
 give several items numbered ``choice`` = prompt index * n + j in OpenAI's
 order; with a ``seed`` s, choice j of a prompt samples with seed s + j.
 
-What this engine cannot do is refused with the reason: ``response_format``
-other than text, ``tools``/``functions``, a non-empty ``logit_bias``,
-``echo``, ``suffix``, ``best_of`` > n. A refusal is a :class:`RequestError`
-naming the parameter.
+Structured outputs come in every shape people send them: OpenAI's
+``response_format`` (``json_object``, ``json_schema``), vLLM's
+``structured_outputs`` and its older ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``; each becomes the item's one
+``structured_outputs`` (:func:`structured_outputs`).
+
+What this engine cannot do is refused with the reason: ``tools``/``functions``,
+a non-empty ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > n. A refusal is
+a :class:`RequestError` naming the parameter.
 
 Responses: kvmux results become OpenAI's bodies — ``chat.completion`` /
 ``text_completion`` (:func:`completion_body`), their streamed chunks
@@ -58,6 +63,12 @@ _SAMPLING = frozenset(
         "ignore_eos",
         "n",
         "max_tokens",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
     }
 )
 NATIVE_FIELDS = _SAMPLING | {
@@ -86,7 +97,6 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "tool_choice": ("none",),
     "function_call": ("none",),
     "parallel_tool_calls": (False, True),
-    "response_format": ({"type": "text"},),
 }
 _WHY_NOT = {
     "echo": "the prompt is not returned",
@@ -96,7 +106,6 @@ _WHY_NOT = {
     "functions": "no tool calling",
     "tool_choice": "no tool calling",
     "function_call": "no tool calling",
-    "response_format": "no structured output",
 }
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 # Fields that are whole numbers; JSON writers sometimes emit them as 10.0.
@@ -250,6 +259,10 @@ def to_items(
         given["stop"] = [stop]
     if "messages" in given:
         given["messages"] = _messages(given["messages"], names["messages"])
+    constraint = structured_outputs(given, prefix)
+    if constraint is not None:
+        given["structured_outputs"] = constraint
+        names["structured_outputs"] = prefix + "structured_outputs"
 
     n = given.pop("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
@@ -282,6 +295,76 @@ def to_items(
                 one["line"] = line
             items.append(_check(one, prefix, names))
     return items
+
+
+# vLLM's older spellings of its structured_outputs fields.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def structured_outputs(given: dict[str, Any], prefix: str = "") -> dict[str, Any] | None:
+    """Takes OpenAI's ``response_format``, vLLM's ``structured_outputs`` and ``guided_*``
+    out of ``given``: the one ``structured_outputs`` they ask for (None: none). More
+    than one is refused, as vLLM refuses more than one kind of constraint."""
+    asked: dict[str, dict[str, Any]] = {}
+    fmt = given.pop("response_format", None)
+    if fmt is not None:
+        wanted = _response_format(fmt, prefix)
+        if wanted is not None:
+            asked["response_format"] = wanted
+    native = given.pop("structured_outputs", None)
+    if native is not None:
+        if not isinstance(native, dict):
+            raise RequestError(
+                f"`{prefix}structured_outputs` must be an object, got {json_type(native)}",
+                "structured_outputs",
+            )
+        asked["structured_outputs"] = native
+    for old, new in _GUIDED.items():
+        value = given.pop(old, None)
+        if value is not None:
+            asked[old] = {new: value}
+    if len(asked) > 1:
+        raise RequestError(
+            f"give one of {names_of([prefix + k for k in asked])}: one constraint per request",
+            next(iter(asked)),
+        )
+    return next(iter(asked.values()), None)
+
+
+def _response_format(fmt: Any, prefix: str) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as vLLM's ``structured_outputs`` (None: plain text)."""
+    name = f"`{prefix}response_format`"
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise RequestError(
+            f"{name} must be an object whose `type` is text, json_object or json_schema; "
+            f"got {short(fmt)}",
+            "response_format",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise RequestError(
+            f'{name} of type json_schema needs `json_schema`: {{"name": ..., "schema": {{...}}}}',
+            "response_format",
+        )
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise RequestError(
+            f"`{prefix}response_format.json_schema.schema` must be a JSON schema object, "
+            f"got {json_type(schema)}",
+            "response_format",
+        )
+    # `strict` asks for what kvmux always does: the output follows the schema.
+    return {"json": schema}
 
 
 def _check(given: dict[str, Any], prefix: str, names: dict[str, str]) -> p.Item:

@@ -49,6 +49,31 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     name: Annotated[str, Meta(max_length=256)] | None = None
 
 
+class StructuredOutputs(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """vLLM's ``structured_outputs``: the output must match one of these (exactly one given).
+
+    ``json``: a JSON schema (an object, or its JSON text); ``json_object``: any
+    JSON object; ``regex``: a regular expression; ``choice``: one of these
+    strings; ``grammar``: a Lark or GBNF grammar. JSON comes out compact unless
+    ``disable_any_whitespace`` is false (vLLM's default, which lets a model put
+    any whitespace between tokens). The daemon compiles it before the item is
+    queued: an invalid one fails that item alone, ``bad_request``."""
+
+    json: dict[str, Any] | Annotated[str, Meta(max_length=1 << 20)] | None = None
+    regex: Annotated[str, Meta(max_length=1 << 20)] | None = None
+    choice: (
+        Annotated[
+            list[Annotated[str, Meta(max_length=1 << 16)]], Meta(min_length=1, max_length=4096)
+        ]
+        | None
+    ) = None
+    grammar: Annotated[str, Meta(max_length=1 << 20)] | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One prompt to decode: text, token ids or chat messages (exactly one), with its parameters.
 
@@ -63,7 +88,9 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     in the result untouched.
     Penalties follow vLLM's definitions;
     ``logprobs`` asks for the chosen token's log-probability and that many of
-    the most likely alternatives at every step (0: the chosen token's only).
+    the most likely alternatives at every step (0: the chosen token's only);
+    ``structured_outputs`` constrains the output to a schema, regex, choice or
+    grammar (vLLM's field).
     """
 
     custom_id: Annotated[str, Meta(max_length=512)] = ""
@@ -94,6 +121,7 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     choice: Annotated[int, Meta(ge=0, lt=2**16)] = 0
     choices: Annotated[int, Meta(ge=1, le=2**16)] = 1
     n: Annotated[int, Meta(ge=1, le=2**16)] = 1
+    structured_outputs: StructuredOutputs | None = None
 
 
 class Rejected(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -25,12 +25,13 @@ alternatives per token; chat: ``"logprobs": true`` with ``top_logprobs``),
 and ``n``. A line with ``n`` > 1 or a list of prompts becomes several items
 sharing its ``custom_id`` and line, numbered ``choice`` = prompt index * n +
 j in OpenAI's order; with a ``seed`` s, choice j of a prompt samples with
-seed s + j, so the n completions differ and a rerun repeats them.
+seed s + j, so the n completions differ and a rerun repeats them. Structured
+outputs: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and
+``guided_*`` (a bad schema fails its line alone, before it runs).
 
 What this engine cannot do is refused per line with the reason:
-``/v1/embeddings``, ``response_format`` other than text, ``tools`` and
-``functions``, a non-empty ``logit_bias``, ``echo``, ``suffix`` and
-``best_of`` > n. A line without a ``custom_id`` gets ``line-N``; a
+``/v1/embeddings``, ``tools`` and ``functions``, a non-empty ``logit_bias``,
+``echo``, ``suffix`` and ``best_of`` > n. A line without a ``custom_id`` gets ``line-N``; a
 ``custom_id`` used by an earlier line is refused (as OpenAI refuses the
 file), naming that line. Blank lines are skipped; a UTF-8 BOM and CRLF line
 ends are accepted. A line that does not parse becomes a :class:`LineError`

@@ -46,6 +46,7 @@ from .runner import DecodeSpan, ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
 from .session import Completion, DecodeSession, StepOutput
+from .structured import GrammarCompiler
 
 log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.step")
@@ -210,6 +211,8 @@ class Engine:
             exclusive=self.pool.storage.exclusive,
         )
         self._planned: _Planned | None = None
+        #: Structured outputs' grammars for this model's tokenizer (built on first use).
+        self.structured = GrammarCompiler.for_model(self.spec)
 
     def _prefix_cache(self, switch: int | None) -> PrefixCache | None:
         opts = self.options
@@ -322,6 +325,8 @@ class Engine:
                 {"bad_token_ids": bad[:8], "vocab_size": vocab},
             )
         sampling = resolve_sampling(params, self.spec.search)
+        if sampling.structured is not None:
+            self.structured.compile(sampling.structured)  # refused here, before any session
         hard_max = self.hard_max_for(max_context)
         self.refuse_over_hard_max(hard_max, len(ids))
         return Admission(ids, sampling, hard_max)

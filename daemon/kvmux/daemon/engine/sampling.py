@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from ..model import SearchDefaults
 from .errors import BadPrompt
+from .structured import StructuredSpec
 
 DEFAULT_MAX_NEW_TOKENS = 128  # kvmux's fallback when neither item nor model says
 
@@ -43,6 +44,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    #: The grammar its output must match (structured outputs); None: free text.
+    structured: StructuredSpec | None = None
 
     def validate(self) -> None:
         problems = []
@@ -105,6 +108,7 @@ class ResolvedSampling:
     stop_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None
 
     @property
     def penalized(self) -> bool:
@@ -165,6 +169,7 @@ def resolve_sampling(params: SamplingParams, search: SearchDefaults) -> Resolved
         stop_token_ids=frozenset(params.stop_token_ids),
         logprobs=params.logprobs,
         skip_special_tokens=params.skip_special_tokens,
+        structured=params.structured,
     )
 
 

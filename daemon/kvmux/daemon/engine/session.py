@@ -22,6 +22,7 @@ from kvmux.kv import (
 )
 
 from .sampling import ResolvedSampling, Sampler, StepLogprobs, step_logprobs
+from .structured import Matcher
 from .text import TextStream
 
 if TYPE_CHECKING:
@@ -141,9 +142,19 @@ class DecodeSession:
         #: Set by :meth:`feed` when it feeds a decode step: the decode steps it can
         #: take from there without growing or reaching its length.
         self.ahead = 0
+        #: Its grammar (structured outputs), a matcher of its own; None: free text.
+        self.grammar: Matcher | None = None
+        if sampling.structured is not None:
+            self.grammar = engine.structured.matcher(sampling.structured)
         #: Its next token is the logits' argmax and nothing else (greedy, no penalty,
-        #: no min_tokens, no logprobs): the engine may take it for a whole run at once.
-        self.picks_argmax = self.sampler.plain and sampling.greedy and sampling.logprobs is None
+        #: no min_tokens, no logprobs, no grammar): the engine may take it for a whole
+        #: run at once.
+        self.picks_argmax = (
+            self.sampler.plain
+            and sampling.greedy
+            and sampling.logprobs is None
+            and self.grammar is None
+        )
 
     # -- what the scheduler asks -----------------------------------------
     @property
@@ -310,11 +321,41 @@ class DecodeSession:
         if pick is not None and self.picks_argmax:
             self._accept(pick, None, into)
             return
+        if self.grammar is not None:
+            self._took_constrained(self.grammar, logits, into)
+            return
         token = self.sampler(logits)
         entry = None
         if self.sampling.logprobs is not None:
             entry = step_logprobs(logits, token, self.sampling.logprobs)
         self._accept(token, entry, into)
+
+    def _took_constrained(
+        self, grammar: Matcher, logits: np.ndarray[Any, Any], into: StepOutput
+    ) -> None:
+        """A structured-output step (kept apart: the batched step takes it over): the
+        token is drawn from the logits the grammar allows, moves the matcher on, and
+        the item ends with "stop" where the grammar is complete (only the end token
+        could follow, so it is not drawn)."""
+        if grammar.is_stopped():
+            self._finish("stop", into)
+            return
+        masked = grammar.masked(logits)
+        token = self.sampler(masked)
+        entry = None
+        if self.sampling.logprobs is not None:
+            # Of the masked logits, as vLLM's; forbidden alternatives (-inf) left out.
+            entry = step_logprobs(masked, token, self.sampling.logprobs)
+            entry = StepLogprobs(
+                entry.token_id, entry.logprob, tuple(t for t in entry.top if t[1] > -np.inf)
+            )
+        if grammar.is_end(token):  # the grammar allowed its end here, and it was drawn
+            self._finish("stop", into)
+            return
+        grammar.accept(token)
+        self._accept(token, entry, into)
+        if not self.finished and grammar.is_stopped():
+            self._finish("stop", into)
 
     def step(self) -> StepOutput:
         """One step of this session alone (tests, the CLI): the engine's step of a batch of one."""

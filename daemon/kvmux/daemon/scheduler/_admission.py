@@ -13,11 +13,12 @@ import anyio.to_thread
 import msgspec
 
 from kvmux.client.errors import BadRequest, Overloaded
-from kvmux.client.protocol import ErrorInfo, Item, ItemResult, Rejected
+from kvmux.client.protocol import ErrorInfo, Item, ItemResult, Rejected, StructuredOutputs
 from kvmux.kv import failpoints
 
 from ..config import SchedulerConfig, owner_queue_share
 from ..engine import Admission, Engine, SamplingParams
+from ..engine.structured import StructuredSpec
 from ._jobs import JobState, JobTable
 from ._queue import FairQueue
 
@@ -155,6 +156,8 @@ def _cheap(items: list[Item]) -> bool:
     for item in items:
         if item.prompt_tokens is None or item.prompt is not None or item.messages is not None:
             return False
+        if item.structured_outputs is not None:  # compiling a grammar may take a while
+            return False
         tokens += len(item.prompt_tokens)
     return tokens <= _INLINE_TOKENS
 
@@ -244,6 +247,21 @@ def item_params(item: Item) -> SamplingParams:
         stop_token_ids=tuple(item.stop_token_ids),
         logprobs=item.logprobs,
         skip_special_tokens=item.skip_special_tokens,
+        structured=structured_spec(item.structured_outputs),
+    )
+
+
+def structured_spec(wire: StructuredOutputs | None) -> StructuredSpec | None:
+    """An item's ``structured_outputs`` as the engine's spec (refused if malformed)."""
+    if wire is None:
+        return None
+    return StructuredSpec.from_wire(
+        json=wire.json,
+        regex=wire.regex,
+        choice=wire.choice,
+        grammar=wire.grammar,
+        json_object=wire.json_object,
+        disable_any_whitespace=wire.disable_any_whitespace,
     )
 
 

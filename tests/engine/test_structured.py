@@ -1,0 +1,300 @@
+"""Structured outputs in the engine: llguidance's grammars on the built-in models' tokenizers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+
+from kvmux.daemon.engine import BadPrompt, Engine, EngineOptions, SamplingParams
+from kvmux.daemon.engine.structured import (
+    MAX_SOURCE_BYTES,
+    GrammarCompiler,
+    StructuredSpec,
+    allocate_bitmask,
+    apply_bitmask,
+)
+from kvmux.daemon.model import ensure_builtin
+
+# Nested objects, arrays, enums, required fields, additionalProperties false.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                "city": {"type": "string", "maxLength": 10},
+            },
+            "required": ["zip"],
+            "additionalProperties": False,
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_builtin("small", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module", params=["tiny", "small"])
+def model_engine(request: pytest.FixtureRequest, tiny_model: Path, small_model: Path) -> Engine:
+    folder = tiny_model if request.param == "tiny" else small_model
+    return Engine(folder, EngineOptions(min_bucket=16, intra_op_threads=1))
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model: Path) -> Engine:
+    return Engine(tiny_model, EngineOptions(min_bucket=16, intra_op_threads=1))
+
+
+def spec(**kw: object) -> StructuredSpec:
+    out = StructuredSpec.from_wire(**kw)  # type: ignore[arg-type]
+    assert out is not None
+    return out
+
+
+def allowed(compiler: GrammarCompiler, row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: compiler.vocab_size]
+    return {int(t) for t in np.flatnonzero(bits)}
+
+
+# -- the module ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "wrong"),
+    [
+        ({"json": {"type": "objekt"}}, "Invalid type: objekt"),
+        ({"json": {"type": "string", "pattern": "(("}}, "unclosed group"),
+        ({"json": {"$ref": "#/nope"}}, "/nope"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": [1, 2]}, "must be a JSON schema object"),
+        ({"regex": "a(b"}, "unclosed group"),
+        ({"grammar": "start: foo"}, 'unknown name: "foo"'),
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"choice": []}, "at least one string"),
+        ({"regex": "a", "choice": ["a"]}, "one kind of constraint"),
+        ({"regex": "x" * (MAX_SOURCE_BYTES + 1)}, "kvmux compiles at most"),
+    ],
+)
+def test_an_invalid_spec_is_refused_naming_what_is_wrong(
+    tiny_engine: Engine, kw: dict[str, object], wrong: str
+) -> None:
+    with pytest.raises(BadPrompt, match=re.escape(wrong)) as info:
+        tiny_engine.structured.compile(spec(**kw))
+    assert info.value.code == "bad_request"
+
+
+def test_a_spec_compiles_once_and_so_does_its_refusal(tiny_model: Path) -> None:
+    engine = Engine(tiny_model, EngineOptions(intra_op_threads=1))
+    compiler = engine.structured
+    schema = spec(json=PERSON)
+    for _ in range(50):
+        compiler.matcher(spec(json=PERSON))  # equal specs, built apart: one cache entry
+    bad = spec(regex="a(b")
+    for _ in range(50):
+        with pytest.raises(BadPrompt):
+            compiler.compile(bad)
+    assert compiler.compiled == 2
+    assert hash(schema) == hash(spec(json=PERSON))
+
+
+def test_the_mask_allows_exactly_the_grammars_next_tokens(tiny_engine: Engine) -> None:
+    compiler = tiny_engine.structured
+    tok = tiny_engine.tokenizer
+    m = compiler.matcher(spec(choice=["yes", "no"]))
+    row = allocate_bitmask(1, compiler.words)[0]
+    m.fill_bitmask(row)
+    first = allowed(compiler, row)
+    # tiny is byte-level: one token per byte, so exactly "y" and "n" may start.
+    assert {tok.token_text(t) for t in first} == {"y", "n"}
+    for t in tok.encode("yes"):
+        assert not m.is_stopped()
+        m.accept(t)
+    assert m.is_stopped() and m.is_accepting()
+    m.fill_bitmask(row)
+    assert allowed(compiler, row) == set(tiny_engine.spec.eos_token_ids)
+    with pytest.raises(BadPrompt, match="does not match"):
+        compiler.matcher(spec(choice=["yes", "no"])).accept(tok.encode("x")[0])
+
+
+def test_replay_reaches_the_state_of_accepting_token_by_token(tiny_engine: Engine) -> None:
+    compiler = tiny_engine.structured
+    tokens = tiny_engine.tokenizer.encode('{"name":"ab","age":7')
+    one, two = compiler.matcher(spec(json=PERSON)), compiler.matcher(spec(json=PERSON))
+    for t in tokens:
+        one.accept(t)
+    two.replay(tokens)
+    rows = allocate_bitmask(2, compiler.words)
+    one.fill_bitmask(rows[0])
+    two.fill_bitmask(rows[1])
+    assert np.array_equal(rows[0], rows[1])
+    assert allowed(compiler, rows[0]) >= set(tiny_engine.tokenizer.encode(","))
+    with pytest.raises(BadPrompt, match="do not match"):
+        compiler.matcher(spec(json=PERSON)).replay(tiny_engine.tokenizer.encode("[1]"))
+
+
+def test_many_rows_fill_at_once_as_each_alone(model_engine: Engine) -> None:
+    compiler = model_engine.structured
+    specs = [spec(json=PERSON), None, spec(regex="[0-9]+"), spec(json_object=True), None]
+    matchers = [None if s is None else compiler.matcher(s) for s in specs]
+    prefix = model_engine.tokenizer.encode('{"name":"x"')
+    assert matchers[0] is not None
+    matchers[0].replay(prefix)
+    batch = allocate_bitmask(len(specs), compiler.words)
+    batch[1] = 12345  # rows without a matcher are left as they are
+    compiler.fill_bitmasks(matchers, batch)
+    assert (batch[1] == 12345).all() and (batch[4] == -1).all()
+    for i, m in enumerate(matchers):
+        if m is None:
+            continue
+        alone = allocate_bitmask(1, compiler.words)
+        m.fill_bitmask(alone[0])
+        assert np.array_equal(alone[0], batch[i])
+        assert 0 < len(allowed(compiler, alone[0])) < compiler.vocab_size
+
+
+def test_apply_bitmask_masks_only_the_constrained_rows() -> None:
+    rng = np.random.default_rng(0)
+    vocab = 70  # not a multiple of 32: the last word is partly past the vocabulary
+    logits = rng.standard_normal((4, vocab)).astype(np.float32)
+    before = logits.copy()
+    masks = np.zeros((2, 3), dtype=np.int32)
+    want = [{0, 31, 32, 69}, {5, 64}]
+    for r, ids in enumerate(want):
+        for t in ids:
+            masks[r, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    apply_bitmask(logits, masks, rows=np.array([1, 3]))
+    assert np.array_equal(logits[[0, 2]], before[[0, 2]])
+    for r, ids in zip((1, 3), want, strict=True):
+        finite = set(np.flatnonzero(np.isfinite(logits[r])).tolist())
+        assert finite == ids
+        assert np.array_equal(logits[r, sorted(ids)], before[r, sorted(ids)])
+    every = before.copy()
+    apply_bitmask(every[:2], masks)
+    assert set(np.flatnonzero(np.isfinite(every[0])).tolist()) == want[0]
+
+
+@pytest.mark.gpu
+def test_apply_bitmask_on_the_device_equals_the_host() -> None:
+    import cupy as cp
+
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((3, 100)).astype(np.float32)
+    masks = rng.integers(-(2**31), 2**31, size=(2, 4), dtype=np.int64).astype(np.int32)
+    host = logits.copy()
+    apply_bitmask(host, masks, rows=np.array([0, 2]))
+    dev = cp.asarray(logits)
+    apply_bitmask(dev, cp.asarray(masks), rows=cp.asarray([0, 2]), xp=cp)
+    assert np.array_equal(cp.asnumpy(dev), host)
+
+
+# -- the engine ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_random_weights_answer_json_that_matches_the_schema(
+    model_engine: Engine, temperature: float
+) -> None:
+    stops = 0
+    for seed in range(4):
+        params = SamplingParams(
+            max_new_tokens=160, temperature=temperature, seed=seed, structured=spec(json=PERSON)
+        )
+        done = model_engine.generate(f"Person {seed}:", params)
+        if done.finish_reason == "stop":
+            stops += 1
+            jsonschema.validate(json.loads(done.text), PERSON)
+        else:
+            assert done.finish_reason == "length" and len(done.token_ids) == 160
+    assert stops == 4  # the grammar forces the end once the object is complete
+
+
+@pytest.mark.parametrize(
+    ("kw", "check"),
+    [
+        ({"regex": r"[a-z]{3,8}@[a-z]{2,6}\.com"}, r"[a-z]{3,8}@[a-z]{2,6}\.com"),
+        ({"choice": ["red", "green", "blue"]}, r"red|green|blue"),
+        ({"grammar": 'root ::= "x" [0-9] [0-9]?'}, r"x[0-9][0-9]?"),  # GBNF
+        ({"grammar": 'start: "id-" /[a-f]{4}/'}, r"id-[a-f]{4}"),  # Lark
+    ],
+)
+def test_regex_choice_and_grammars_match(
+    model_engine: Engine, kw: dict[str, object], check: str
+) -> None:
+    for seed in range(3):
+        params = SamplingParams(
+            max_new_tokens=40, temperature=1.0, seed=seed, structured=spec(**kw)
+        )
+        done = model_engine.generate("Answer:", params)
+        assert done.finish_reason == "stop", done
+        assert re.fullmatch(check, done.text), done.text
+
+
+def test_json_object_is_an_object(tiny_engine: Engine) -> None:
+    reasons = []
+    for seed in range(4):
+        params = SamplingParams(
+            max_new_tokens=60, temperature=1.0, seed=seed, structured=spec(json_object=True)
+        )
+        done = tiny_engine.generate("Q:", params)
+        reasons.append(done.finish_reason)
+        if done.finish_reason == "stop":
+            assert isinstance(json.loads(done.text), dict)
+        else:  # any object: free strings may run to max_tokens
+            assert done.text.startswith("{")
+    assert "stop" in reasons
+
+
+def test_constrained_sampling_is_reproducible_and_logprobs_are_finite(
+    tiny_engine: Engine,
+) -> None:
+    def run(seed: int) -> tuple[str, list[float]]:
+        params = SamplingParams(
+            max_new_tokens=160, temperature=0.9, seed=seed, logprobs=3, structured=spec(json=PERSON)
+        )
+        done = tiny_engine.generate("Who?", params)
+        assert done.logprobs is not None and len(done.logprobs) == len(done.token_ids)
+        for entry in done.logprobs:
+            assert np.isfinite(entry.logprob)
+            assert all(np.isfinite(lp) for _, _, lp in entry.top)
+        return done.text, [e.logprob for e in done.logprobs]
+
+    assert run(7) == run(7)
+    assert run(7)[0] != run(8)[0]
+
+
+def test_whitespace_is_compact_unless_asked(tiny_engine: Engine) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    free = spec(json=schema, disable_any_whitespace=False)
+    compact = spec(json=schema)
+    assert free != compact and free.any_whitespace and not compact.any_whitespace
+    compiler = tiny_engine.structured
+    rows = allocate_bitmask(2, compiler.words)
+    matchers = [compiler.matcher(compact), compiler.matcher(free)]
+    for m in matchers:
+        m.replay(tiny_engine.tokenizer.encode("{"))
+    compiler.fill_bitmasks(matchers, rows)
+    space = set(tiny_engine.tokenizer.encode(" "))
+    assert not space & allowed(compiler, rows[0])
+    assert space <= allowed(compiler, rows[1])
+
+
+def test_admission_refuses_a_bad_grammar_before_any_session(tiny_engine: Engine) -> None:
+    before = tiny_engine.session_kv_bytes()
+    with pytest.raises(BadPrompt, match="unclosed group"):
+        tiny_engine.admit("hi", SamplingParams(structured=spec(regex="(")))
+    assert tiny_engine.session_kv_bytes() == before
