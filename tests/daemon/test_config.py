@@ -12,6 +12,7 @@ from kvmux.daemon.config import (
     EX_CONFIG,
     Config,
     ConfigError,
+    active_sessions,
     load_config,
     parse_config,
 )
@@ -59,7 +60,19 @@ def test_local_config_values() -> None:
     assert cfg.model.path == ""
     assert cfg.server.endpoint == ""
     assert cfg.log.format == "auto"
-    assert cfg.scheduler.max_active_sessions < Config().scheduler.max_active_sessions
+    default = active_sessions(Config().scheduler, "cpu").max_active_sessions
+    assert 0 < cfg.scheduler.max_active_sessions < default
+
+
+def test_active_sessions_default_by_provider() -> None:
+    """0 (the default) is 16 on the CPU and 256 with CUDA; a number given is kept."""
+    auto = Config().scheduler
+    assert auto.max_active_sessions == 0
+    assert active_sessions(auto, "cpu").max_active_sessions == 16
+    assert active_sessions(auto, "cuda").max_active_sessions == 256
+    given = parse_config("[scheduler]\nmax_active_sessions = 7\n").scheduler
+    assert active_sessions(given, "cuda").max_active_sessions == 7
+    assert Config().model.cuda_graph  # on with CUDA; the CPU provider has no graphs
 
 
 def test_empty_config_is_the_defaults() -> None:
@@ -70,7 +83,7 @@ def test_empty_config_is_the_defaults() -> None:
     assert cfg.server.endpoint == ""
     assert cfg.server.max_message_bytes == 16 * 1024 * 1024
     assert cfg.kv.min_bucket == 256
-    assert cfg.scheduler.max_active_sessions == 16
+    assert cfg.scheduler.max_active_sessions == 0  # by provider: see active_sessions
     assert cfg.scheduler.on_growth_failure == "wait"
     assert cfg.jobs.retention == 3600.0
     assert cfg.log.level == "info"
@@ -102,7 +115,7 @@ def _error(text: str) -> ConfigError:
 @pytest.mark.parametrize(
     ("text", "key", "fragment"),
     [
-        ("[scheduler]\nmax_active_sessions = 0", "scheduler.max_active_sessions", ">= 1"),
+        ("[scheduler]\nmax_active_sessions = -1", "scheduler.max_active_sessions", ">= 0"),
         ("[scheduler]\nmax_active_sessions = 'many'", "scheduler.max_active_sessions", "`int`"),
         ("[scheduler]\non_growth_failure = 'retry'", "scheduler.on_growth_failure", "'retry'"),
         ("[server]\nmax_message_bytes = 1023", "server.max_message_bytes", ">= 1024"),
@@ -128,8 +141,8 @@ def test_type_and_range_errors_name_the_key(text: str, key: str, fragment: str) 
 
 
 def test_error_reads_like_the_documented_example() -> None:
-    err = _error("[scheduler]\nmax_active_sessions = 0")
-    assert str(err) == "/etc/kvmux/kvmuxd.toml: scheduler.max_active_sessions: Expected `int` >= 1"
+    err = _error("[scheduler]\nmax_active_sessions = -1")
+    assert str(err) == "/etc/kvmux/kvmuxd.toml: scheduler.max_active_sessions: Expected `int` >= 0"
 
 
 def test_unknown_key_in_a_table_is_named() -> None:

@@ -32,7 +32,7 @@ from kvmux.kv import KvConfigError, MemoryBudget, failpoints, format_bytes, reso
 from .access import OPERATOR, Caller
 from .batches import Batches, FileStore
 from .budget import RequestBudget
-from .config import Config, ConfigError, ModelConfig
+from .config import Config, ConfigError, ModelConfig, active_sessions
 from .coordinator import GrowthCoordinator
 from .engine import Engine, EngineOptions
 from .http import HttpFront
@@ -205,7 +205,9 @@ class Daemon:
                     self.engine,
                     self.worker,
                     self.coordinator,
-                    self.config.scheduler,
+                    active_sessions(
+                        self.config.scheduler, "cuda" if self.engine.on_cuda else "cpu"
+                    ),
                     self.config.jobs,
                 )
                 scheduler.metrics = self.metrics

@@ -10,17 +10,19 @@ from .runner import RowInput
 T = TypeVar("T")
 
 
-def plan(rows: Sequence[RowInput], max_rows: int) -> list[list[int]]:
+def plan(rows: Sequence[RowInput], max_rows: int, *, batch_prompts: bool = True) -> list[list[int]]:
     """Indices of ``rows`` grouped into runs of adjacent rows of one group (at most
-    ``max_rows`` a run): decode rows together, first prompts together, and every
-    other prompt chunk alone (onnxruntime runs no prompt with past in a batch)."""
+    ``max_rows`` a run): decode rows together, first prompts together when
+    ``batch_prompts``, and every other prompt chunk alone (onnxruntime runs no prompt
+    with past in a batch; its CUDA GroupQueryAttention takes no batch of prompts at
+    all: "batch_size must be 1 when sequence_length > 1 and past context is given")."""
     if len(rows) == 1:
         return [[0]]
     decode: list[tuple[int, int, int]] = []
     first: list[tuple[int, int, int]] = []
     runs: list[list[int]] = []
     for i, r in enumerate(rows):
-        if len(r.tokens) == 1 or r.cache.valid_len == 0:
+        if len(r.tokens) == 1 or (batch_prompts and r.cache.valid_len == 0):
             p = r.placement()
             (decode if len(r.tokens) == 1 else first).append((p.group, p.row, i))
         else:

@@ -561,7 +561,8 @@ class Engine:
             _Row(s.cache, tokens, s.session_id, p, k, s.picks_argmax)
             for k, ((_, s, tokens), p) in enumerate(zip(fed, places, strict=True))
         ]
-        runs = [[rows[k] for k in run] for run in plan(rows, self.options.max_batch)]
+        spans = plan(rows, self.options.max_batch, batch_prompts=not self.on_cuda)
+        runs = [[rows[k] for k in run] for run in spans]
         # A plan with prompt chunks changes next step (they become decode rows).
         return _Planned(places, rows, runs, reusable=decoding)
 

@@ -119,8 +119,7 @@ class ModelRunner:
         return ro
 
     # -- checks ------------------------------------------------------------------
-    @staticmethod
-    def check(rows: Sequence[RowInput]) -> list[Placement]:
+    def check(self, rows: Sequence[RowInput]) -> list[Placement]:
         """Placements of ``rows`` if one run can hold them, else :class:`RowsNotRunnable`.
 
         onnxruntime fails the whole run for one bad row (and CUDA may not check
@@ -143,6 +142,8 @@ class ModelRunner:
         if len(rows) > 1:
             first = places[0]
             prompts = any(len(r.tokens) > 1 for r in rows)
+            if prompts and self.device == "cuda":
+                raise RowsNotRunnable("CUDA's GroupQueryAttention runs a prompt chunk alone")
             for i, (r, p) in enumerate(zip(rows, places, strict=True)):
                 if prompts and r.cache.valid_len != 0:
                     # onnxruntime: "batch_size must be 1 when sequence_length > 1
