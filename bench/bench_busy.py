@@ -23,6 +23,7 @@ rotating each repeat; ratios are of the medians, and per repeat.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from typing import Any
@@ -42,6 +43,7 @@ from .common import MODELS
 PROMPT = 32
 NEW = 128
 BUCKET = 256
+_BARE_GRAPH_IDS = itertools.count(1_000_000)  # far from the engines' own ids
 
 
 def prompts_for(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -88,7 +90,8 @@ class BareBatch:
         ort = engine.ort.ort
         self.options = ort.RunOptions()
         if graphs:
-            self.options.add_run_config_entry("gpu_graph_id", str(10_000 + n))
+            # A graph of its own: a replay runs on the addresses it was captured with.
+            self.options.add_run_config_entry("gpu_graph_id", str(next(_BARE_GRAPH_IDS)))
         else:
             self.options.add_run_config_entry("gpu_graph_id", "-1")
 

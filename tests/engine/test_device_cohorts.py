@@ -211,3 +211,36 @@ def test_cuda_out_of_memory_fails_one_session_and_the_others_go_on(
         assert list(s.generated) == alone.token_ids, s.session_id
         s.release()
     assert engine.budget.used == 0
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_give_the_tokens_of_plain_runs(
+    cuda_engines: tuple[Engine, Engine], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Graphs on (captured per binding, again after every growth and move) decode the
+    batched, growing sessions to the tokens of the same engine without graphs, and leave
+    nothing charged."""
+    plain = cuda_engines[0]
+    model = ensure_builtin("tiny", tmp_path_factory.mktemp("fp16g"), dtype="float16")
+    graphs = Engine(model, EngineOptions(provider="cuda", min_bucket=4, cuda_graph=True))
+    assert graphs.graphs_enabled
+
+    def run(engine: Engine) -> list[list[int]]:
+        sessions = [
+            engine.new_session(prompt_ids(engine, 3 + 4 * i, seed=i), greedy(60 + 9 * i))
+            for i in range(8)
+        ]
+        tokens: list[list[int]] = [[] for _ in sessions]
+        live = list(range(len(sessions)))
+        while live:
+            outs = engine.step_many([sessions[i] for i in live], 8)
+            for i, out in zip(live, outs, strict=True):
+                assert not isinstance(out, Exception), out
+                tokens[i] += out.token_ids
+            live = [i for i in live if not sessions[i].finished]
+        for s in sessions:
+            s.release()
+        return tokens
+
+    assert run(graphs) == run(plain)
+    assert graphs.budget.used == 0 and graphs.pool.cohorts() == []
