@@ -213,7 +213,9 @@ class Sampler:
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.cfg = cfg
-        self._rng = np.random.default_rng(cfg.seed)
+        # Made at the first draw: a greedy item never draws, and a generator costs
+        # more to seed than a whole decode step of a small model.
+        self._rng: np.random.Generator | None = None
         self._drawn = 0
         self._prompt_ids = prompt_ids
         self._counts: npt.NDArray[np.int64] | None = None
@@ -269,6 +271,11 @@ class Sampler:
             x -= cfg.presence_penalty * (self._counts > 0)
         return x
 
+    def _random(self) -> float:
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.cfg.seed)
+        return float(self._rng.random())
+
     def _draw(self, logits: npt.NDArray[np.floating]) -> int:
         if self.cfg.greedy:
             return int(logits.argmax())
@@ -296,6 +303,6 @@ class Sampler:
         cdf = np.cumsum(probs)
         return int(
             min(
-                np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"), probs.shape[0] - 1
+                np.searchsorted(cdf, self._random() * cdf[-1], side="right"), probs.shape[0] - 1
             )
         )
