@@ -302,7 +302,5 @@ class Sampler:
             probs /= probs.sum()
         cdf = np.cumsum(probs)
         return int(
-            min(
-                np.searchsorted(cdf, self._random() * cdf[-1], side="right"), probs.shape[0] - 1
-            )
+            min(np.searchsorted(cdf, self._random() * cdf[-1], side="right"), probs.shape[0] - 1)
         )
