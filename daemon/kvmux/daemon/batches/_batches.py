@@ -331,7 +331,7 @@ class Batches:
         if self.journal is not None:
             decode = msgspec.msgpack.Decoder(BatchRecord).decode
             for batch_id, _owner, data in self.journal.load_records("batches"):
-                self.records[batch_id] = decode(data)
+                self.records[batch_id] = self.journal.read_row(decode, data, f"batch {batch_id}")
         return {
             r.job_id for r in self.records.values() if r.status in _ACTIVE and r.job_id is not None
         }
