@@ -139,8 +139,8 @@ def toml_values() -> st.SearchStrategy[str]:
     )
 
 
-def corpus(name: str) -> list[str]:
-    """What fuzzing ever found at entry point ``name``: kept as explicit cases."""
-    path = CORPUS / f"{name}.json"
-    found: list[str] = json.loads(path.read_text()) if path.exists() else []
+def corpus(name: str) -> list[dict[str, Any]]:
+    """What fuzzing ever found at entry point ``name``, as the arguments of the test that
+    found it: kept as explicit cases."""
+    found: list[dict[str, Any]] = json.loads((CORPUS / f"{name}.json").read_text())
     return found
