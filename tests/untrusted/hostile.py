@@ -70,10 +70,27 @@ def _object(pairs: list[tuple[str, str]]) -> str:
     return "{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in pairs) + "}"
 
 
+# Valid JSON of the wrong type, shape or range: what an encoder writes.
+_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30])
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)  # surrogates: in _STRINGS, as escapes,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(_KEYS | st.text(), inner, max_size=4)
+    ),
+    max_leaves=8,
+).map(json.dumps)
+
+
 def fragments() -> st.SearchStrategy[str]:
     """JSON texts (and near misses) of every kind, nested."""
-    leaves = st.one_of(st.sampled_from(["null", "true", "false"]), _NUMBERS, _STRINGS, _DEEP, _WIDE)
-    return st.recursive(
+    leaves = st.one_of(
+        st.sampled_from(["null", "true", "false"]), _NUMBERS, _STRINGS, _DEEP, _WIDE, _VALUES
+    )
+    return _VALUES | st.recursive(
         leaves,
         lambda inner: st.one_of(
             st.lists(inner, max_size=4).map(lambda xs: "[" + ",".join(xs) + "]"),
@@ -101,21 +118,34 @@ def paths(template: dict[str, Any]) -> list[tuple[Any, ...]]:
     return out
 
 
-def spliced(template: dict[str, Any], path: tuple[Any, ...], fragment: str) -> str:
-    """``template`` as JSON with the value at ``path`` replaced by ``fragment``'s text."""
-    if not path:
-        return fragment
-    copy = json.loads(json.dumps(template))
-    holder = copy
-    for key in path[:-1]:
-        holder = holder[key]
-    holder[path[-1]] = _SPLICE
-    return json.dumps(copy).replace(json.dumps(_SPLICE), fragment)
+def spliced(template: dict[str, Any], changes: list[tuple[tuple[Any, ...], str]]) -> str:
+    """``template`` as JSON with the value at each path replaced by its fragment's text
+    (a path inside one replaced already is left out)."""
+    copy: Any = json.loads(json.dumps(template))
+    texts = {}
+    for n, (path, fragment) in enumerate(changes):
+        marker = f"{_SPLICE}{n}"
+        if not path:
+            return fragment
+        holder = copy
+        try:
+            for key in path[:-1]:
+                holder = holder[key]
+            holder[path[-1]] = marker
+        except (KeyError, IndexError, TypeError):
+            continue  # under a field replaced already
+        texts[json.dumps(marker)] = fragment
+    text = json.dumps(copy)
+    for marker, fragment in texts.items():
+        text = text.replace(marker, fragment)
+    return text
 
 
 def hostile(template: dict[str, Any]) -> st.SearchStrategy[str]:
-    """``template`` with one field (or the whole of it) replaced by a hostile fragment."""
-    return st.builds(spliced, st.just(template), st.sampled_from(paths(template)), fragments())
+    """``template`` with one to three fields (or the whole of it) replaced by hostile
+    fragments."""
+    change = st.tuples(st.sampled_from(paths(template)), fragments())
+    return st.builds(spliced, st.just(template), st.lists(change, min_size=1, max_size=3))
 
 
 def encode(text: str) -> bytes:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from bench.bench_daemon import DaemonProcess
@@ -41,8 +41,19 @@ CHAT_BODY: dict[str, Any] = {
     "logprobs": False,
     "response_format": {"type": "text"},
     "stream": False,
+    "logit_bias": {},
+    "presence_penalty": 0.5,
+    "user": "u",
 }
-COMPLETION_BODY: dict[str, Any] = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "top_p": 0.9}
+COMPLETION_BODY: dict[str, Any] = {
+    "model": "tiny",
+    "prompt": ["hi", [72, 105]],
+    "max_tokens": 2,
+    "top_p": 0.9,
+    "logprobs": 1,
+    "echo": False,
+    "stop_token_ids": [0],
+}
 NATIVE_LINE: dict[str, Any] = {
     "custom_id": "x",
     "prompt": [72, 105],
@@ -50,8 +61,18 @@ NATIVE_LINE: dict[str, Any] = {
     "top_k": 4,
     "stop": "\n",
     "max_context": 64,
+    "n": 1,
+    "min_p": 0.1,
 }
 OPENAI_LINE: dict[str, Any] = {"custom_id": "x", "method": "POST", "url": CHAT, "body": CHAT_BODY}
+
+
+def _as_line(body: str) -> str:
+    return json.dumps({**OPENAI_LINE, "body": None}).replace("null", body)
+
+
+# A batch line hostile anywhere, or in its body only (which the Batch API runs line by line).
+_OPENAI_LINES = hostile(OPENAI_LINE) | hostile(CHAT_BODY).map(_as_line)
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +87,9 @@ def _no_error_logged(daemon: DaemonProcess) -> Any:
 def _answered(resp: Any) -> None:
     """A clean refusal, or a valid answer."""
     assert resp.status_code in (200, 400, 413), resp.text
+    event(
+        f"HTTP {resp.status_code} {resp.json()['error']['code'] if resp.status_code >= 400 else ''}"
+    )
     if resp.status_code == 200:
         if resp.headers["content-type"].startswith("text/event-stream"):
             assert resp.text.rstrip().endswith("data: [DONE]"), resp.text
@@ -133,7 +157,7 @@ def _line_of(result: dict[str, Any]) -> int | None:
 @with_corpus("cli")
 @given(
     shape=st.sampled_from(["kvmux", "openai"]),
-    bad=st.lists(st.one_of(hostile(NATIVE_LINE), hostile(OPENAI_LINE)), min_size=1, max_size=3),
+    bad=st.lists(hostile(NATIVE_LINE) | _OPENAI_LINES, min_size=1, max_size=3),
 )
 def test_cli_submit_runs_every_good_line_beside_any_bad_one(
     daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFactory, shape: str, bad: list[str]
@@ -147,6 +171,7 @@ def test_cli_submit_runs_every_good_line_beside_any_bad_one(
     proc = kvmux(daemon, "submit", "--quiet", str(folder / "in.jsonl"), "--out", str(out))
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode in (OK, ITEMS_FAILED), proc.stderr
+    event(f"exit {proc.returncode}")
     results = [json.loads(line) for line in out.read_text().splitlines()]
     by_id: dict[str, list[dict[str, Any]]] = {}
     for result in results:
@@ -173,7 +198,7 @@ def test_cli_submit_runs_every_good_line_beside_any_bad_one(
 
 @settings(_FUZZ, max_examples=EXAMPLES)
 @with_corpus("batches")
-@given(bad=st.lists(hostile(OPENAI_LINE), min_size=1, max_size=3))
+@given(bad=st.lists(_OPENAI_LINES, min_size=1, max_size=3))
 def test_batch_api_names_each_bad_line_or_runs_it(
     http: Any, tmp_path_factory: pytest.TempPathFactory, bad: list[str]
 ) -> None:
@@ -181,6 +206,7 @@ def test_batch_api_names_each_bad_line_or_runs_it(
     bad = [text for text in bad if "\n" not in text and "\r" not in text and text.strip()]
     good, bad_lines = _batch_file(folder / "in.jsonl", OPENAI_LINE, bad)
     batch = run_batch(http, (folder / "in.jsonl").read_bytes())
+    event(f"batch {batch['status']}")
     if batch["status"] == "failed":
         # OpenAI's validation: the file fails, naming each line that fails it.
         errors = batch["errors"]["data"]
