@@ -15,25 +15,21 @@ This module imports nothing of the daemon: the client and kvmuxd share it.
 
 from __future__ import annotations
 
-import re
-from array import array
-from itertools import accumulate
 from typing import Any
 
 import msgspec
+import numpy as np
 
 # Levels of arrays and objects one JSON value may nest. serde_json's default;
 # an OpenAI request nests four or five (messages -> content parts -> object), a
 # JSON schema in ``response_format`` a few dozen at the most.
 MAX_DEPTH = 128
 
-# A string token, matched possessively so that an unterminated one runs to the end
-# instead of being retried from every later quote (which is quadratic).
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+\\?(?:"|\Z)', re.DOTALL)
-_BRACKETS = b"[]{}"
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in _BRACKETS)
-# Opening brackets become +1 and closing ones -1 as signed bytes.
-_STEPS = bytes.maketrans(_BRACKETS, b"\x01\xff\x01\xff")
+# Each byte's step in depth: +1 opening a bracket, -1 closing one, 0 otherwise.
+_STEP = np.zeros(256, np.int8)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+_QUOTE = ord('"')
 
 
 class TooDeep(msgspec.DecodeError):
@@ -52,8 +48,16 @@ def depth(data: bytes | str) -> int:
         data = data.encode("utf-8", "surrogatepass")
     if not (b"[" in data or b"{" in data):
         return 0
-    steps = _STRING.sub(b"", data).translate(_STEPS, _NOT_BRACKETS)
-    return max(0, max(accumulate(array("b", steps)), default=0))
+    if b"\\" in data:
+        # Escaped backslashes out first, then escaped quotes: every quote left opens or
+        # closes a string (an unterminated one runs to the end).
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    text = np.frombuffer(data, np.uint8)
+    steps = _STEP[text]
+    if b'"' in data:
+        in_string = np.logical_xor.accumulate(text == _QUOTE)
+        steps[in_string] = 0
+    return max(0, int(steps.cumsum(dtype=np.int32).max()))
 
 
 def check_depth(data: bytes | str, limit: int = MAX_DEPTH) -> None:
