@@ -21,7 +21,7 @@ from kvmux.client.cli.connect import ITEMS_FAILED, OK
 
 from .conftest import errors_logged, kvmux
 from .hostile import EXAMPLES, corpus, encode, hostile
-from .test_issue31 import CHAT, run_batch
+from .test_issue31 import CHAT, run_batch, upload
 
 F = TypeVar("F", bound=Callable[..., None])
 _FUZZ = settings(
@@ -85,8 +85,9 @@ def _no_error_logged(daemon: DaemonProcess) -> Any:
 
 
 def _answered(resp: Any) -> None:
-    """A clean refusal, or a valid answer."""
-    assert resp.status_code in (200, 400, 413), resp.text
+    """A clean refusal, or a valid answer. (404 is OpenAI's for a model or file that
+    does not exist.)"""
+    assert resp.status_code in (200, 400, 404, 413), resp.text
     event(
         f"HTTP {resp.status_code} {resp.json()['error']['code'] if resp.status_code >= 400 else ''}"
     )
@@ -94,7 +95,7 @@ def _answered(resp: Any) -> None:
         if resp.headers["content-type"].startswith("text/event-stream"):
             assert resp.text.rstrip().endswith("data: [DONE]"), resp.text
         else:
-            assert resp.json()["object"] in ("chat.completion", "text_completion"), resp.text
+            assert resp.json()["object"] in ("chat.completion", "text_completion", "batch")
         return
     error = resp.json()["error"]
     assert error["type"] == "invalid_request_error", resp.text
@@ -112,18 +113,33 @@ def with_corpus(name: str) -> Callable[[F], F]:
     return apply
 
 
+BATCH_BODY: dict[str, Any] = {
+    "input_file_id": "FILE_ID",  # an uploaded file's, put in by the test
+    "endpoint": CHAT,
+    "completion_window": "24h",
+    "metadata": {"k": "v"},
+}
 _BODIES = st.one_of(
     hostile(CHAT_BODY).map(lambda text: [CHAT, text]),
     hostile(COMPLETION_BODY).map(lambda text: ["/v1/completions", text]),
+    hostile(BATCH_BODY).map(lambda text: ["/v1/batches", text]),
 )
+
+
+@pytest.fixture(scope="module")
+def file_id(http: Any) -> str:
+    """A one-line batch file, for batch-creation bodies to name."""
+    line = json.dumps({**OPENAI_LINE, "custom_id": "one"})
+    return upload(http, line.encode())
 
 
 @settings(_FUZZ, max_examples=EXAMPLES * 3)
 @with_corpus("http")
 @given(case=_BODIES)
-def test_http_completions_answer_any_body_cleanly(http: Any, case: list[str]) -> None:
+def test_http_answers_any_body_cleanly(http: Any, file_id: str, case: list[str]) -> None:
     url, text = case
-    _answered(http.post(url, content=encode(text), headers={"content-type": "application/json"}))
+    body = encode(text.replace("FILE_ID", file_id))
+    _answered(http.post(url, content=body, headers={"content-type": "application/json"}))
 
 
 def _batch_file(
