@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench.bench_daemon import DaemonProcess
-from tests.cli.conftest import cli_env, kvmux_argv
+from tests.cli.conftest import Kvmuxd
 from tests.http.conftest import httpx, started
 
 
@@ -32,14 +32,7 @@ def kvmux(
     daemon: DaemonProcess, *args: str, timeout: float = 90.0
 ) -> subprocess.CompletedProcess[str]:
     """``kvmux ARGS`` against ``daemon``, to completion, both pipes captured."""
-    return subprocess.run(
-        kvmux_argv(*args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cli_env(daemon.endpoint),
-        stdin=subprocess.DEVNULL,
-    )
+    return Kvmuxd(daemon.endpoint, daemon.log_path).run(*args, timeout=timeout)
 
 
 def errors_logged(daemon: DaemonProcess) -> list[dict[str, Any]]:
