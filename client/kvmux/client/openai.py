@@ -157,7 +157,7 @@ def body_items(
         embeddings = url == "/v1/embeddings"
         why = " (kvmux generates text; it computes no embeddings)" if embeddings else ""
         raise RequestError(
-            f"url {url!r} is not supported{why}: use {CHAT_URL!r} or {COMPLETIONS_URL!r}"
+            f"url {short(url)} is not supported{why}: use {CHAT_URL!r} or {COMPLETIONS_URL!r}"
         )
     if not isinstance(body, dict):
         name = prefix.rstrip(".") or "body"
@@ -422,9 +422,9 @@ def _messages(messages: Any, name: str) -> list[dict[str, Any]]:
                 "messages",
             )
         role = msg.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # a list is not hashable
             raise RequestError(
-                f"{where}.role must be one of {', '.join(sorted(_ROLES))}; got {role!r}",
+                f"{where}.role must be one of {', '.join(sorted(_ROLES))}; got {short(role)}",
                 "messages",
             )
         content = msg.get("content")

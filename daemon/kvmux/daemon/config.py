@@ -294,6 +294,9 @@ def parse_config(text: str | bytes, *, source: str = "<string>") -> Config:
         raise ConfigError(message, path=source, key=key) from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"invalid TOML: {exc}", path=source) from exc
+    except RecursionError:
+        # tomllib recurses into inline arrays and tables; no config nests past a few.
+        raise ConfigError("invalid TOML: arrays or tables nested too deep", path=source) from None
     _check(cfg, source)
     return cfg
 

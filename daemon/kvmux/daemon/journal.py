@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Literal, TypeVar
 
 import msgspec
 import structlog
@@ -101,6 +101,7 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 """
 
+T = TypeVar("T")
 _encode = msgspec.msgpack.Encoder().encode
 _item = msgspec.msgpack.Decoder(Item)
 _result = msgspec.msgpack.Decoder(ItemResult)
@@ -174,10 +175,23 @@ class Journal:
                 continue
             if idx != len(job.items):
                 raise JournalError(f"{self.path}: job {job_id} is missing item {len(job.items)}")
-            job.items.append(_item.decode(item))
+            where = f"job {job_id} item {idx}"
+            job.items.append(self.read_row(_item.decode, item, where))
             if result is not None:
-                job.results[idx] = _result.decode(result)
+                job.results[idx] = self.read_row(_result.decode, result, f"{where}'s result")
         return list(jobs.values())
+
+    def read_row(self, decode: Callable[[bytes], T], data: bytes, where: str) -> T:
+        """``decode(data)``, or :class:`JournalError` naming the row: a row written by
+        another version, or altered on disk, is the operator's to repair, refused at start
+        rather than replayed from half of it."""
+        try:
+            return decode(data)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise JournalError(
+                f"{self.path}: {where} cannot be read ({exc}); restore the file, or move it "
+                "aside to start with an empty journal"
+            ) from None
 
     def load_records(self, table: str) -> list[tuple[str, str, bytes]]:
         """Every row of ``files`` or ``batches``: (id, owner, data), in insertion order."""

@@ -46,6 +46,7 @@ from typing import Any
 
 import msgspec
 
+from .. import jsonin
 from .. import protocol as p
 from ..openai import (
     NATIVE_FIELDS,
@@ -193,7 +194,7 @@ def parse_line(raw: bytes | str, line: int) -> list[p.Item]:
 
 def _decode(raw: bytes | str, line: int) -> dict[str, Any]:
     try:
-        obj = msgspec.json.decode(raw)
+        obj = jsonin.decode(raw)
     except msgspec.DecodeError as exc:
         raise LineError(line, f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):

@@ -39,6 +39,7 @@ from typing import IO, Any, Literal
 
 import msgspec
 
+from .. import jsonin
 from .. import protocol as p
 from ..openai import batch_output_line, batch_refused_line, is_rejected
 from .batch import LineError
@@ -268,7 +269,7 @@ def _objects(path: Path) -> Iterator[dict[str, Any]]:
     with stream:
         for raw in stream:
             try:
-                obj = msgspec.json.decode(raw)
+                obj = jsonin.decode(raw)
             except msgspec.DecodeError:
                 continue  # a line cut short by a crash of the machine: run it again
             if isinstance(obj, dict):

@@ -38,6 +38,7 @@ import anyio.to_thread
 import msgspec
 import structlog
 
+from kvmux.client import jsonin
 from kvmux.client import protocol as p
 from kvmux.client.cli.batch import LineError, numbered_lines
 from kvmux.client.cli.results import ResultSink
@@ -177,7 +178,7 @@ class _Structural(Exception):
 def _line_request(raw: bytes, endpoint: str) -> tuple[str, Any]:
     """A batch line's ``custom_id`` and ``body``, or why the line fails the file."""
     try:
-        obj = msgspec.json.decode(raw)
+        obj = jsonin.decode(raw)
     except msgspec.DecodeError as exc:
         raise _Structural("invalid_json_line", f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -330,7 +331,7 @@ class Batches:
         if self.journal is not None:
             decode = msgspec.msgpack.Decoder(BatchRecord).decode
             for batch_id, _owner, data in self.journal.load_records("batches"):
-                self.records[batch_id] = decode(data)
+                self.records[batch_id] = self.journal.read_row(decode, data, f"batch {batch_id}")
         return {
             r.job_id for r in self.records.values() if r.status in _ACTIVE and r.job_id is not None
         }

@@ -141,7 +141,7 @@ class FileStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         if self.journal is not None:
             for file_id, _owner, data in self.journal.load_records("files"):
-                record = _decode_record(data)
+                record = self.journal.read_row(_decode_record, data, f"file {file_id}")
                 path = self.path(record)
                 size = path.stat().st_size if path.exists() else -1
                 if size != record.bytes:

@@ -19,6 +19,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvmux.client import jsonin
 from kvmux.client.errors import Overloaded, Unauthorized
 from kvmux.client.openai import RequestError, error_body, http_status, info_body
 
@@ -143,7 +144,7 @@ def caller_of(request: Request) -> Caller:
 
 async def read_json(request: Request) -> dict[str, Any]:
     """The body as a JSON object (bounded by :class:`~kvmux.daemon.http.Limits`)."""
-    obj = msgspec.json.decode(await request.body())
+    obj = jsonin.decode(await request.body())
     if not isinstance(obj, dict):
         raise RequestError("the body must be a JSON object")
     return obj

@@ -74,6 +74,9 @@ class ApiKeys:
             raise ConfigError(why, key="http.api_keys") from exc
         except msgspec.DecodeError as exc:  # ValidationError too
             raise ConfigError(f"{self.path}: {exc}", key="http.api_keys") from exc
+        except RecursionError:  # tomllib on inline arrays or tables nested thousands deep
+            why = f"{self.path}: invalid TOML: arrays or tables nested too deep"
+            raise ConfigError(why, key="http.api_keys") from None
         callers = {}
         for entry in parsed.key:
             if not _HEX.match(entry.sha256):

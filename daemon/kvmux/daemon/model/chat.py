@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
+from kvmux.client import jsonin
 from kvmux.daemon.model.errors import ModelFormatError
 
 __all__ = [
@@ -218,8 +219,10 @@ def _read_tokenizer_config(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+        jsonin.check_depth(text)
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, jsonin.TooDeep) as exc:
         raise ModelFormatError(
             folder, f"{TOKENIZER_CONFIG_FILENAME} is not readable JSON ({exc})"
         ) from exc

@@ -18,6 +18,7 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
+from kvmux.client import jsonin
 from kvmux.daemon.model.chat import find_chat_template
 from kvmux.daemon.model.errors import ModelFormatError
 from kvmux.daemon.model.features import ModelFeatures, read_features
@@ -498,8 +499,10 @@ def load_model(folder: Path) -> ModelSpec:
             "builder writes next to the decoder model",
         )
     try:
-        data = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = config_path.read_text(encoding="utf-8")
+        jsonin.check_depth(text)
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, jsonin.TooDeep) as exc:
         raise ModelFormatError(
             folder, f"{CONFIG_FILENAME} is not valid JSON ({exc}), expected a JSON object"
         ) from exc
