@@ -46,6 +46,8 @@ __all__ = [
     "build_decoder",
     "builtin_folder_name",
     "ensure_builtin",
+    "genai_config",
+    "write_json",
 ]
 
 #: Bump when the builder's output changes, so cached folders are rebuilt.
@@ -520,42 +522,52 @@ def _decoder_shape(spec: BuiltinSize, vocab_size: int) -> DecoderShape:
 # --------------------------------------------------------------------------- config
 
 
-def _genai_config(spec: BuiltinSize, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
-    return {
-        "model": {
-            "bos_token_id": ids[BOS_TOKEN],
-            "context_length": spec.context_length,
-            "decoder": {
-                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "filename": MODEL_FILENAME,
-                "head_size": spec.head_size,
-                "hidden_size": spec.hidden_size,
-                "inputs": {
-                    "input_ids": "input_ids",
-                    "attention_mask": "attention_mask",
-                    "past_key_names": "past_key_values.%d.key",
-                    "past_value_names": "past_key_values.%d.value",
-                },
-                "outputs": {
-                    "logits": "logits",
-                    "present_key_names": "present.%d.key",
-                    "present_value_names": "present.%d.value",
-                },
-                "num_attention_heads": spec.num_heads,
-                "num_hidden_layers": spec.num_layers,
-                "num_key_value_heads": spec.num_kv_heads,
-            },
-            "eos_token_id": ids[EOS_TOKEN],
-            "pad_token_id": ids[PAD_TOKEN],
-            "type": "llama",
-            "vocab_size": vocab_size,
+def genai_config(
+    shape: DecoderShape,
+    *,
+    bos_token_id: int | None,
+    eos_token_id: int | list[int],
+    pad_token_id: int | None,
+    model_type: str = "llama",
+) -> dict[str, Any]:
+    """genai_config.json as onnxruntime-genai's builder writes it for this decoder."""
+    model: dict[str, Any] = {}
+    if bos_token_id is not None:
+        model["bos_token_id"] = bos_token_id
+    model["context_length"] = shape.context_length
+    model["decoder"] = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "filename": MODEL_FILENAME,
+        "head_size": shape.head_size,
+        "hidden_size": shape.hidden_size,
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
         },
+        "outputs": {
+            "logits": "logits",
+            "present_key_names": "present.%d.key",
+            "present_value_names": "present.%d.value",
+        },
+        "num_attention_heads": shape.num_heads,
+        "num_hidden_layers": shape.num_layers,
+        "num_key_value_heads": shape.num_kv_heads,
+    }
+    model["eos_token_id"] = eos_token_id
+    if pad_token_id is not None:
+        model["pad_token_id"] = pad_token_id
+    model["type"] = model_type
+    model["vocab_size"] = shape.vocab_size
+    return {
+        "model": model,
         "search": {
             "diversity_penalty": 0.0,
             "do_sample": False,
             "early_stopping": True,
             "length_penalty": 1.0,
-            "max_length": spec.context_length,
+            "max_length": shape.context_length,
             "min_length": 0,
             "no_repeat_ngram_size": 0,
             "num_beams": 1,
@@ -582,7 +594,7 @@ def _tokenizer_config(spec: BuiltinSize) -> dict[str, Any]:
     }
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=4, sort_keys=False) + "\n", encoding="utf-8")
 
 
@@ -603,13 +615,19 @@ def build_builtin(size: str, out_dir: Path, *, dtype: str = "float32") -> Path:
     tok, ids = _build_tokenizer(spec)
     vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
     tok.save(str(out_dir / TOKENIZER_FILENAME), pretty=True)
-    _write_json(out_dir / TOKENIZER_CONFIG_FILENAME, _tokenizer_config(spec))
+    write_json(out_dir / TOKENIZER_CONFIG_FILENAME, _tokenizer_config(spec))
     (out_dir / CHAT_TEMPLATE_FILENAME).write_text(CHAT_TEMPLATE + "\n", encoding="utf-8")
 
     model = build_decoder(_decoder_shape(spec, vocab_size), _random_weights(spec), dtype)
     (out_dir / MODEL_FILENAME).write_bytes(model.SerializeToString(deterministic=True))
     # Written last: a folder with genai_config.json has everything else already.
-    _write_json(out_dir / CONFIG_FILENAME, _genai_config(spec, vocab_size, ids))
+    config = genai_config(
+        _decoder_shape(spec, vocab_size),
+        bos_token_id=ids[BOS_TOKEN],
+        eos_token_id=ids[EOS_TOKEN],
+        pad_token_id=ids[PAD_TOKEN],
+    )
+    write_json(out_dir / CONFIG_FILENAME, config)
     return out_dir
 
 
