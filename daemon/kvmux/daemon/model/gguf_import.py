@@ -111,24 +111,24 @@ class _File:
 
         self.path = path
         try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
             self.reader = gguf.GGUFReader(path, "r")
         except OSError as exc:
             raise GGUFImportError(path, f"cannot be read ({exc})") from exc
         except (ValueError, IndexError, KeyError, TypeError) as exc:
-            # The reader's own words: "GGUF magic invalid", a short read, ...
-            size = path.stat().st_size
+            if magic != b"GGUF":
+                raise GGUFImportError(
+                    path, f"is not a GGUF file (it starts with {magic!r}, not b'GGUF')"
+                ) from exc
+            # A header that promises more than the file holds: the reader runs past
+            # the end ("cannot reshape array of size ...", a short read).
             raise GGUFImportError(
-                path, f"is not a readable GGUF file ({exc}; {size} bytes)"
+                path,
+                f"is truncated or damaged: the gguf reader says {exc} "
+                f"(the file has {path.stat().st_size} bytes)",
             ) from exc
         self.tensors = {t.name: t for t in self.reader.tensors}
-        size = path.stat().st_size
-        for t in self.reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise GGUFImportError(
-                    path,
-                    f"is truncated: tensor {t.name} ends at byte {end}, the file has {size}",
-                )
 
     def fail(self, problem: str) -> GGUFImportError:
         return GGUFImportError(self.path, problem)
