@@ -41,8 +41,13 @@ def _hf_checkpoint(
     out: Path, arch: str, weights: dict[str, np.ndarray[Any, Any]], tokenizer: Any
 ) -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=weights["model.embed_tokens.weight"].shape[0],
