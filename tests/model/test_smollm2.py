@@ -11,15 +11,12 @@ own error.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from kvmux.daemon.engine import Engine, EngineOptions, SamplingParams
 from kvmux.daemon.model import FetchError, default_model_cache, ensure_smollm2
-from kvmux.daemon.model.builder import build_atomically
-from kvmux.daemon.model.smollm2 import GGUF_NAME, fetch_smollm2
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -49,48 +46,13 @@ def test_the_french_question_answers_paris(smollm2_dir: Path) -> None:
     assert done.finish_reason == "stop", "the answer ends on <|im_end|>"
 
 
-def _reference_export(cache: Path) -> Path:
-    """onnxruntime-genai's builder on transformers' float32 load of the same GGUF file."""
-    from tests.genai.genai_fixture import export_with_genai_builder
-
-    gguf_file = fetch_smollm2(cache)
-    ours = ensure_smollm2(cache)
-
-    def build(out: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        hf = out.parent / f".{out.name}.hf"
-        loaded = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=GGUF_NAME, dtype=torch.float32
-        )
-        # transformers marks a GGUF load "quantized, not serializable": the same
-        # (dequantized) weights go into a plain model of the same config to be saved.
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-        model.save_pretrained(hf)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(ours / name, hf / name)
-        try:
-            export_with_genai_builder(hf, out / "model", precision="fp32")
-        finally:
-            shutil.rmtree(hf, ignore_errors=True)
-            shutil.rmtree(out / "model.builder-cache", ignore_errors=True)
-        (out / "genai_config.json").write_text((out / "model" / "genai_config.json").read_text())
-
-    return build_atomically(cache / "smollm2-genai-reference-v1", build) / "model"
-
-
 @pytest.mark.genai
 def test_kvmux_tokens_equal_the_generator_on_the_builders_export(smollm2_dir: Path) -> None:
     from tests.genai.conftest import require_genai_stack
-    from tests.genai.genai_fixture import generator_greedy
+    from tests.genai.genai_fixture import generator_greedy, smollm2_reference_export
 
     require_genai_stack()
-    reference = _reference_export(default_model_cache())
+    reference = smollm2_reference_export(default_model_cache())
     engine = Engine(smollm2_dir, EngineOptions(min_bucket=16))
     eos = engine.spec.eos_token_ids[0]
     for text in PROMPTS:
