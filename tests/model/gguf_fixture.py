@@ -152,6 +152,7 @@ def write_gguf(
     skip: Iterable[str] = (),
     pre: str = "gpt2",
     tokenizer_model: str = "gpt2",
+    add_bos: bool = False,
 ) -> Path:
     """A GGUF file of ``weights``; names in ``quantized`` stored as Q8_0, ``raw`` added as
     given (GGUF name -> (bytes, type)), GGUF names in ``skip`` left out."""
@@ -177,7 +178,7 @@ def write_gguf(
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT_TEMPLATE)
     for hf, array in weights.items():
         name = gguf_name(hf)

@@ -80,6 +80,17 @@ def test_the_tokenizer_reproduces_the_files_vocabulary(
     assert tok.is_special(2) and tok.encode("<|im_end|>") == [2]
 
 
+def test_a_file_that_adds_bos_gets_a_tokenizer_that_adds_it(
+    vocab: tuple[Any, Vocab], tmp_path: Path
+) -> None:
+    rebuilt = read_tokenizer(_llama(tmp_path / "m.gguf", vocab[1], add_bos=True)).tokenizer
+    assert rebuilt.encode("the cache").ids[0] == 1
+    assert (
+        rebuilt.encode("the cache", add_special_tokens=False).ids
+        == vocab[0].encode("the cache").ids
+    )
+
+
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     path.write_text("this is a text file, not a model\n" * 10)
@@ -169,3 +180,18 @@ def test_the_cli_imports_and_refuses(
     bad.write_bytes(b"GGUF" + b"\0" * 10)
     assert main(["import-gguf", str(bad), str(tmp_path / "n")]) == 2
     assert f"GGUF file {bad}: " in capsys.readouterr().err
+
+
+def test_build_smollm2_refuses_a_local_file_that_is_not_it(
+    good_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv(GGUF_ENV, str(good_file))
+    assert main(["build", "smollm2", str(tmp_path / "m")]) == 2
+    assert f"GGUF file {good_file}: SHA-256 is {sha256_of(good_file)}" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+    monkeypatch.setenv(GGUF_ENV, str(tmp_path / "absent.gguf"))
+    assert main(["build", "smollm2", str(tmp_path / "m")]) == 1
+    assert f"{GGUF_ENV}={tmp_path / 'absent.gguf'} is not a file" in capsys.readouterr().err

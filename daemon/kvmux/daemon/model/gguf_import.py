@@ -299,7 +299,15 @@ def read_tokenizer(path: Path) -> GGUFTokenizer:
 
 
 def _read_tokenizer(f: _File) -> GGUFTokenizer:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     kind = f.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -367,15 +375,24 @@ def _read_tokenizer(f: _File) -> GGUFTokenizer:
         extra = token_id(key)
         if extra is not None and extra not in eos_ids:
             eos_ids.append(extra)
+    bos = token_id("bos_token_id")
+    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
+    if add_bos and bos is not None:
+        # llama.cpp prepends BOS to such a file's text; transformers' and genai's
+        # tokenizers do it in the post-processor, as Llama 3's tokenizer.json says.
+        b = tokens[bos]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{b} $A", pair=f"{b} $A {b} $B", special_tokens=[(b, bos)]
+        )
     template = f.get("tokenizer.chat_template", None)
     return GGUFTokenizer(
         tokenizer=tok,
         tokens=tokens,
-        bos_token_id=token_id("bos_token_id"),
+        bos_token_id=bos,
         eos_token_ids=eos_ids,
         pad_token_id=token_id("padding_token_id"),
         unk_token_id=token_id("unknown_token_id"),
-        add_bos_token=bool(f.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=add_bos,
         chat_template=str(template) if template is not None else None,
     )
 
