@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,12 @@ def kvmux(
 ) -> subprocess.CompletedProcess[str]:
     """``kvmux ARGS`` against ``daemon``, to completion, both pipes captured."""
     return Kvmuxd(daemon.endpoint, daemon.log_path).run(*args, timeout=timeout)
+
+
+def jsonl(text: str) -> list[Any]:
+    """JSON Lines split on newlines only: a string may hold U+0085 or U+2028 raw, which
+    ``str.splitlines`` would split on."""
+    return [json.loads(line) for line in text.split("\n") if line]
 
 
 def errors_logged(daemon: DaemonProcess) -> list[dict[str, Any]]:

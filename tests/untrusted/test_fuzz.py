@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from bench.bench_daemon import DaemonProcess
 from kvmux.client.cli.connect import ITEMS_FAILED, OK
 
-from .conftest import errors_logged, kvmux
+from .conftest import errors_logged, jsonl, kvmux
 from .hostile import EXAMPLES, corpus, encode, hostile
 from .test_issue31 import CHAT, run_batch, upload
 
@@ -188,7 +188,7 @@ def test_cli_submit_runs_every_good_line_beside_any_bad_one(
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode in (OK, ITEMS_FAILED), proc.stderr
     event(f"exit {proc.returncode}")
-    results = [json.loads(line) for line in out.read_text().splitlines()]
+    results = jsonl(out.read_text())
     by_id: dict[str, list[dict[str, Any]]] = {}
     for result in results:
         by_id.setdefault(result["custom_id"], []).append(result)
@@ -232,6 +232,6 @@ def test_batch_api_names_each_bad_line_or_runs_it(
     assert batch["status"] == "completed", batch
     assert batch["request_counts"]["total"] == len(good) + len(bad_lines), batch
     output = http.get(f"/v1/files/{batch['output_file_id']}/content").text
-    done = {r["custom_id"]: r for r in map(json.loads, output.splitlines())}
+    done = {r["custom_id"]: r for r in jsonl(output)}
     for cid in good.values():
         assert done[cid]["response"]["status_code"] == 200, done[cid]

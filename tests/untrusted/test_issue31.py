@@ -14,7 +14,7 @@ import pytest
 from bench.bench_daemon import DaemonProcess
 from kvmux.client.cli.connect import ITEMS_FAILED
 
-from .conftest import errors_logged, kvmux
+from .conftest import errors_logged, jsonl, kvmux
 
 CHAT = "/v1/chat/completions"
 
@@ -75,7 +75,7 @@ def test_cli_submit_gives_the_deep_line_its_error_and_the_rest_their_results(
     proc = kvmux(daemon, "submit", "--quiet", str(batch), "--out", str(out))
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == ITEMS_FAILED, proc.stderr
-    results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    results = {r["custom_id"]: r for r in jsonl(out.read_text())}
     # A line that does not decode has no custom_id to give: it is `line-N`.
     assert results.keys() == {"a", "b", "line-2"}
     if shape == "kvmux":
