@@ -142,6 +142,15 @@ def armed_for(
         disarm(name)
 
 
+def delay(name: str) -> None:
+    """Sleep if ``name`` is slowed; never raise (a step of many rows at once: its rows'
+    failures are hit one by one elsewhere)."""
+    if _slow:
+        seconds = _slow.get(name)
+        if seconds is not None:
+            time.sleep(seconds)
+
+
 def hit(name: str, keys: Iterable[str] = ()) -> None:
     """Sleep if ``name`` is slowed; raise :class:`InjectedFault` if it is armed
     (for one of ``keys``, when it was armed with a key)."""

@@ -479,6 +479,7 @@ class Engine:
         failed: Exception | None = None
         chosen = np.empty(len(host), dtype=np.int64)
         while span.steps < steps:
+            failpoints.delay("engine.step")  # a slowed step slows each step of the span
             try:
                 picks = span.step()
             except Exception as exc:  # noqa: BLE001 - see the docstring
