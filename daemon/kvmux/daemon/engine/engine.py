@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,7 +47,7 @@ from .runner import DecodeSpan, ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
 from .session import Completion, DecodeSession, StepOutput
-from .structured import GrammarCompiler
+from .structured import GrammarCompiler, allocate_bitmask, apply_bitmask
 
 log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.step")
@@ -213,6 +214,8 @@ class Engine:
         self._planned: _Planned | None = None
         #: Structured outputs' grammars for this model's tokenizer (built on first use).
         self.structured = GrammarCompiler.for_model(self.spec)
+        # Fills a step's grammar masks beside its run (llguidance lets go of the GIL).
+        self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmux-masks")
 
     def _prefix_cache(self, switch: int | None) -> PrefixCache | None:
         opts = self.options
@@ -474,24 +477,40 @@ class Engine:
                     left[i] -= 1
                 return
         ends = _ends_matrix([s.end_ids if s.on_device else frozenset() for s in sessions])
+        # Host rows with a grammar: their masks are filled on llguidance's threads (no
+        # GIL) while the run goes on, and applied to their logits in one operation.
+        grammars = [sessions[j].grammar for j in host]
+        constrained = [h for h, g in enumerate(grammars) if g is not None]
+        bitmask = None
+        if constrained:
+            bitmask = allocate_bitmask(len(host), self.structured.words)
         out = np.empty((steps, len(run)), dtype=np.int64)
         ended: np.ndarray[Any, Any] | None = None
         failed: Exception | None = None
         chosen = np.empty(len(host), dtype=np.int64)
         while span.steps < steps:
             failpoints.delay("engine.step")  # a slowed step slows each step of the span
+            filling = None
+            if bitmask is not None:
+                filling = self._masks.submit(self.structured.fill_bitmasks, grammars, bitmask)
             try:
                 picks = span.step()
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 failed = exc
                 break
+            finally:
+                mask_error = None if filling is None else filling.exception()
             out[span.steps - 1] = picks
             stop = False
             if host:
-                for h, (j, logits) in enumerate(zip(host, span.host_logits(), strict=True)):
+                host_logits = span.host_logits()
+                masked = bitmask is not None and mask_error is None
+                if bitmask is not None and masked:
+                    apply_bitmask(host_logits, bitmask[constrained], constrained)
+                for h, (j, logits) in enumerate(zip(host, host_logits, strict=True)):
                     session = sessions[j]
                     try:
-                        session.took(1, logits, acc[index[j]])
+                        session.took(1, logits, acc[index[j]], masked=masked)
                     except Exception as exc:  # noqa: BLE001 - that item fails alone
                         errors[index[j]] = exc
                         stop = True

@@ -307,12 +307,19 @@ class DecodeSession:
         return [self._pending]
 
     def took(
-        self, n: int, logits: np.ndarray[Any, Any], into: StepOutput, pick: int | None = None
+        self,
+        n: int,
+        logits: np.ndarray[Any, Any],
+        into: StepOutput,
+        pick: int | None = None,
+        *,
+        masked: bool = False,
     ) -> None:
         """A run fed the ``n`` tokens of :meth:`feed`; ``logits`` are its last position's.
         What the step produced goes into ``into``. ``pick`` is the logits' argmax when
         the caller took it for a whole run at once; only a :attr:`picks_argmax`
-        session uses it."""
+        session uses it. ``masked``: its grammar's mask is applied to ``logits``
+        already (the engine fills the masks of a step's rows beside its run)."""
         if self._prompt_pos < len(self.prompt_ids):
             self._prompt_pos += n
             if self._prompt_pos < len(self.prompt_ids):
@@ -322,7 +329,7 @@ class DecodeSession:
             self._accept(pick, None, into)
             return
         if self.grammar is not None:
-            self._took_constrained(self.grammar, logits, into)
+            self._took_constrained(self.grammar, logits, into, masked)
             return
         token = self.sampler(logits)
         entry = None
@@ -331,7 +338,7 @@ class DecodeSession:
         self._accept(token, entry, into)
 
     def _took_constrained(
-        self, grammar: Matcher, logits: np.ndarray[Any, Any], into: StepOutput
+        self, grammar: Matcher, logits: np.ndarray[Any, Any], into: StepOutput, masked: bool
     ) -> None:
         """A structured-output step (kept apart: the batched step takes it over): the
         token is drawn from the logits the grammar allows, moves the matcher on, and
@@ -340,12 +347,12 @@ class DecodeSession:
         if grammar.is_stopped():
             self._finish("stop", into)
             return
-        masked = grammar.masked(logits)
-        token = self.sampler(masked)
+        allowed = logits if masked else grammar.masked(logits)
+        token = self.sampler(allowed)
         entry = None
         if self.sampling.logprobs is not None:
             # Of the masked logits, as vLLM's; forbidden alternatives (-inf) left out.
-            entry = step_logprobs(masked, token, self.sampling.logprobs)
+            entry = step_logprobs(allowed, token, self.sampling.logprobs)
             entry = StepLogprobs(
                 entry.token_id, entry.logprob, tuple(t for t in entry.top if t[1] > -np.inf)
             )
