@@ -32,7 +32,7 @@ def kvmuxd(*args: str) -> list[str]:
 
 def test_invalid_config_exits_78_naming_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text("[scheduler]\nmax_active_sessions = 0\n")
+    bad.write_text("[scheduler]\nmax_active_sessions = -1\n")
     proc = subprocess.run(kvmuxd("--config", str(bad)), capture_output=True, text=True, timeout=60)
     assert proc.returncode == EX_CONFIG
     assert "scheduler.max_active_sessions" in proc.stderr and str(bad) in proc.stderr

@@ -219,7 +219,7 @@ def test_a_config_kvmuxd_refuses_fails_before_ray_starts(
     src = tmp_path / "in.jsonl"
     src.write_text('{"custom_id": "a", "prompt": "hi", "max_tokens": 2}\n')
     bad = tmp_path / "bad.toml"
-    bad.write_text("[scheduler]\nmax_active_sessions = 0\n")
+    bad.write_text("[scheduler]\nmax_active_sessions = -1\n")
     out = tmp_path / "out.jsonl"
     argv = kvmux_ray_argv("submit", str(src), "--out", str(out), "--replicas", "2")
     refused = ray_setup.run(*argv, "--config", str(bad), timeout=60)
