@@ -65,6 +65,8 @@ class _Stop:
         if self.signum is not None:
             _exit_now(status_for(self.signum), "stopped at once (a second signal)")
         self.signum, self.at = signum, time.monotonic()
+        with contextlib.suppress(OSError):
+            os.write(2, b"\nkvmux: stopping (Ctrl-C again to stop at once)\n")
         for delay, flush in ((STOP_SECONDS, True), (STOP_SECONDS + _LAST_RESORT_SECONDS, False)):
             timer = threading.Timer(delay, _exit_now, (status_for(signum), _TOO_SLOW, flush))
             timer.daemon = True
