@@ -61,6 +61,9 @@ class Command:
     def wrote(self) -> bool:
         return self.stdout.stat().st_size > 0
 
+    def says(self, text: str) -> Callable[[], bool]:
+        return lambda: text in self.err()
+
     def err(self) -> str:
         return self.stderr.read_text()
 
@@ -151,12 +154,12 @@ def job_info(
 
 
 def overloaded_note(cmd: Command) -> Callable[[], bool]:
-    return lambda: "queue is full; waiting for room" in cmd.err()
+    return cmd.says("queue is full; waiting for room")
 
 
 def started_job(cmd: Command) -> str:
     """The job id a running ``kvmux submit`` announced on stderr."""
-    cmd.wait_for("job id", lambda: ": started" in cmd.err())
+    cmd.wait_for("job id", cmd.says(": started"))
     first = next(x for x in cmd.err().splitlines() if x.endswith(": started"))
     return first.removeprefix("kvmux: job ").removesuffix(": started")
 
@@ -172,11 +175,8 @@ def test_ctrl_c_stops_submit_in_time_keeping_its_results(
     daemon: Kvmuxd, tmp_path: Path, state: str
 ) -> None:
     # 4 lines fit the queue; 40 keep the feeder waiting out `overloaded`.
-    batch = write_batch(tmp_path / "in.jsonl", 40 if state == "overloaded" else 4, "s")
-    out = tmp_path / "out.jsonl"
-    cmd = Command(daemon, tmp_path, "submit", "submit", str(batch), "--out", str(out))
+    cmd, out = submitting(daemon, tmp_path, "s", 40 if state == "overloaded" else 4)
     try:
-        cmd.wait_for("first result on disk", lambda: len(lines(out)) >= 1)
         if state == "overloaded":
             cmd.wait_for("overloaded", overloaded_note(cmd))
         with condition(daemon, state):
@@ -234,7 +234,7 @@ def test_ctrl_c_stops_logs_follow_in_time(daemon: Kvmuxd, tmp_path: Path, state:
     cmd = Command(daemon, tmp_path, "logs", "logs", "-f")
     feeder: Command | None = None
     try:
-        cmd.wait_for("subscription", lambda: "showing" in cmd.err())
+        cmd.wait_for("subscription", cmd.says("showing"))
         feeder = Command(
             daemon, tmp_path, "submit", "submit", str(batch), "--out", str(tmp_path / "s.jsonl")
         )
@@ -286,34 +286,47 @@ def test_ctrl_c_stops_generate_in_time(daemon: Kvmuxd, tmp_path: Path, state: st
     pytest.fail("every completion ended before the signal reached it")
 
 
-def test_a_second_ctrl_c_stops_at_once(daemon: Kvmuxd, tmp_path: Path) -> None:
-    # The daemon stopped: the first signal's goodbye waits for an answer that cannot
-    # come; the second one ends the process without waiting for it.
-    batch = write_batch(tmp_path / "in.jsonl", 4, "t")
-    out = tmp_path / "out.jsonl"
-    cmd = Command(daemon, tmp_path, "submit", "submit", str(batch), "--out", str(out))
+def submitting(daemon: Kvmuxd, folder: Path, name: str, n: int) -> tuple[Command, Path]:
+    """``kvmux submit`` of ``n`` long lines, once its first result is on disk."""
+    batch = write_batch(folder / f"{name}.jsonl", n, name)
+    out = folder / f"{name}.results.jsonl"
+    cmd = Command(daemon, folder, name, "submit", str(batch), "--out", str(out))
     try:
         cmd.wait_for("first result on disk", lambda: len(lines(out)) >= 1)
-        with condition(daemon, "stopped"):
-            cmd.proc.send_signal(signal.SIGINT)
-            # Two signals sent before the first is handled would be one.
-            cmd.wait_for("the first signal handled", lambda: "again to stop" in cmd.err())
-            latency = cmd.interrupt()
-    finally:
+    except BaseException:
         cmd.stop()
-    assert cmd.proc.returncode == 130, cmd.err()
-    assert latency < 0.5, f"exited {latency:.2f} s after the second SIGINT"
-    assert "a second signal" in cmd.err()
-    assert len(lines(out)) >= 1
-    quiet_daemon(daemon)
+        raise
+    return cmd, out
+
+
+def test_a_second_ctrl_c_stops_at_once(daemon: Kvmuxd, tmp_path: Path) -> None:
+    # The daemon stopped: the first signal's goodbye waits (0.75 s) for an answer that
+    # cannot come; the second one ends the process without waiting for it. A second
+    # signal that only lands after that goodbye ended proves nothing: tried again.
+    for attempt in range(5):
+        cmd, out = submitting(daemon, tmp_path, f"twice{attempt}", 4)
+        try:
+            with condition(daemon, "stopped"):
+                cmd.proc.send_signal(signal.SIGINT)
+                # Two signals sent before the first is handled would be one.
+                cmd.wait_for("the first signal handled", cmd.says("again to stop"))
+                latency = cmd.interrupt()
+        finally:
+            cmd.stop()
+        assert cmd.proc.returncode == 130, cmd.err()
+        assert len(lines(out)) >= 1
+        quiet_daemon(daemon)
+        if "a second signal" in cmd.err():
+            # "At once": a signal handled and the process ended; 0.5 s is for a loaded CI
+            # machine to schedule it (the goodbye it cut short would have taken 0.75 s).
+            assert latency < 0.5, f"exited {latency:.2f} s after the second SIGINT"
+            return
+    pytest.fail("every first goodbye ended before the second signal reached it")
 
 
 def test_sigterm_stops_submit_with_143(daemon: Kvmuxd, tmp_path: Path) -> None:
-    batch = write_batch(tmp_path / "in.jsonl", 4, "u")
-    out = tmp_path / "out.jsonl"
-    cmd = Command(daemon, tmp_path, "submit", "submit", str(batch), "--out", str(out))
+    cmd, out = submitting(daemon, tmp_path, "term", 4)
     try:
-        cmd.wait_for("first result on disk", lambda: len(lines(out)) >= 1)
         start = time.monotonic()
         cmd.proc.send_signal(signal.SIGTERM)
         cmd.proc.wait(timeout=30)
@@ -322,5 +335,5 @@ def test_sigterm_stops_submit_with_143(daemon: Kvmuxd, tmp_path: Path) -> None:
         cmd.stop()
     assert cmd.proc.returncode == 143, cmd.err()
     assert latency < LIMIT
-    assert "cancelled" in cmd.err() and len(lines(out)) >= 1
+    assert "interrupted" in cmd.err() and len(lines(out)) >= 1
     quiet_daemon(daemon)
