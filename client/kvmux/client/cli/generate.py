@@ -11,7 +11,7 @@ import msgspec
 
 from .. import protocol as p
 from .connect import INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
-from .interrupt import goodbye
+from .interrupt import goodbye, goodbye_left
 
 
 def item_from_args(args: argparse.Namespace) -> p.Item:
@@ -64,7 +64,7 @@ async def generate(args: argparse.Namespace) -> int:
             print(f"\nkvmux: interrupted ({what})", file=sys.stderr)
             return INTERRUPTED
     finally:
-        await client.close()
+        await client.close(goodbye=goodbye_left())
     # The final text can hold what the last delta had not completed yet
     # (a multi-byte character cut at the step boundary).
     if result.text.startswith(shown) and len(result.text) > len(shown):

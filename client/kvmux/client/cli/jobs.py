@@ -23,7 +23,7 @@ from .._client import Chunk, Client, Feeder, Job
 from ..errors import BadRequest, DaemonUnreachable, KvmuxError, NotFound, NotReady, ShuttingDown
 from .batch import BatchReader, LineError
 from .connect import COULD_NOT_RUN, INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
-from .interrupt import GOODBYE_SECONDS, goodbye
+from .interrupt import GOODBYE_SECONDS, goodbye, goodbye_left
 from .progress import Reporter, failure_label, make_reporter
 from .results import ResultSink, done_ids, open_outputs, resolve_format
 
@@ -132,7 +132,7 @@ async def submit(args: argparse.Namespace) -> int:
                     "(server.client_timeout)",
                 )
         finally:
-            await conn.client.close()
+            await conn.client.close(goodbye=goodbye_left())
         return _finish(reporter, args.out)
 
 
@@ -182,7 +182,7 @@ async def results(args: argparse.Namespace) -> int:
                     )
                 return _interrupted(reporter, kept)
         finally:
-            await conn.client.close()
+            await conn.client.close(goodbye=goodbye_left())
         return _finish(reporter, args.out)
 
 

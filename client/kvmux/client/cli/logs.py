@@ -97,7 +97,7 @@ async def logs(args: argparse.Namespace) -> int:
         await client.close(goodbye=goodbye_left())
         return INTERRUPTED
     finally:
-        await client.close()
+        await client.close(goodbye=goodbye_left())
     return OK
 
 
