@@ -7,6 +7,7 @@ module (startup is most of a test's cost) and stopped with SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -37,6 +38,7 @@ min_bucket = 4
 [scheduler]
 max_active_sessions = 1
 prefill_chunk = 16
+{scheduler}
 
 [log]
 level = "info"
@@ -69,6 +71,7 @@ class Kvmuxd:
 
     endpoint: str
     log: Path
+    pid: int
 
     def env(self) -> dict[str, str]:
         return cli_env(self.endpoint)
@@ -87,13 +90,19 @@ class Kvmuxd:
 
 @pytest.fixture(scope="module")
 def kvmuxd(tiny_model: Path) -> Iterator[Kvmuxd]:
+    with serve(tiny_model) as daemon:
+        yield daemon
+
+
+@contextlib.contextmanager
+def serve(tiny_model: Path, scheduler: str = "") -> Iterator[Kvmuxd]:
+    """A kvmuxd of the config above (``scheduler``: more ``[scheduler]`` keys), ready."""
     # ipc paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     folder = Path(tempfile.mkdtemp(prefix="kvx-cli-", dir="/tmp"))
     endpoint = f"ipc://{folder}/kvmuxd.sock"
     config = folder / "kvmuxd.toml"
-    config.write_text(_CONFIG.format(model=tiny_model, endpoint=endpoint))
+    config.write_text(_CONFIG.format(model=tiny_model, endpoint=endpoint, scheduler=scheduler))
     log = folder / "kvmuxd.log"
-    daemon = Kvmuxd(endpoint, log)
     with (
         log.open("w") as out,
         subprocess.Popen(
@@ -103,11 +112,13 @@ def kvmuxd(tiny_model: Path) -> Iterator[Kvmuxd]:
             stdin=subprocess.DEVNULL,
         ) as proc,
     ):
+        daemon = Kvmuxd(endpoint, log, proc.pid)
         try:
             ready = daemon.run("status", "--wait", "60", timeout=90)
             assert ready.returncode == 0, ready.stderr + log.read_text()
             yield daemon
         finally:
+            proc.send_signal(signal.SIGCONT)  # a test that stopped it may have failed
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=30)

@@ -145,7 +145,7 @@ def test_interrupted_submit_keeps_its_results_and_logs_follow_a_job(
         stderr=subprocess.PIPE,
         text=True,
     ) as long:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # an event's wait, bounded so a broken run ends
         while not partial.exists() or not partial.read_text().endswith("\n"):
             assert long.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
@@ -176,7 +176,10 @@ def test_interrupted_submit_keeps_its_results_and_logs_follow_a_job(
             logs_out, logs_err = logs.communicate(timeout=30)
 
     assert long.returncode == 130, long_err
-    assert "interrupted" in long_err and "cancelled" in long_err
+    # Cancelled; on a machine too busy for kvmuxd to confirm it within the goodbye's
+    # 0.75 s, said so (kvmuxd then cancels it on finding the client gone).
+    assert "interrupted" in long_err
+    assert "cancelled" in long_err or "did not confirm its cancel" in long_err
     kept = jsonl(partial.read_text())
     assert 1 <= len(kept) < 200
     assert all(r["custom_id"].startswith("long") for r in kept)

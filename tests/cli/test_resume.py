@@ -41,8 +41,8 @@ class Daemon:
 
     def start(self) -> None:
         config = self.folder / "kvmuxd.toml"
-        text = _CONFIG.format(model=self.model, endpoint=self.endpoint)
-        config.write_text(text.replace("[scheduler]\n", f"[scheduler]\n{self.extra}"))
+        text = _CONFIG.format(model=self.model, endpoint=self.endpoint, scheduler=self.extra)
+        config.write_text(text)
         if self.log is None:
             self.log = (self.folder / "kvmuxd.log").open("ab")
         self.proc = subprocess.Popen(

@@ -250,25 +250,33 @@ class Client:
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(reply.heartbeat_interval)))
         return reply
 
-    async def close(self) -> None:
-        """Say goodbye (the daemon cancels this client's jobs that were not detached) and close."""
-        if self._sock is not None and self._lost is None and self.welcome is not None:
-            # Best effort: a daemon that is gone cannot be told.
-            with contextlib.suppress(KvmuxError, TimeoutError, zmq.ZMQError):
-                await asyncio.wait_for(self._request(p.Bye(id=0)), min(self.timeout, 1.0))
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        self._fail_all(DaemonUnreachable(f"client for {self.endpoint} closed"))
+    async def close(self, *, goodbye: float | None = None) -> None:
+        """Say goodbye (the daemon cancels this client's jobs that were not detached) and close.
+
+        ``goodbye`` bounds the wait for the daemon's answer to it (default: the
+        client's timeout, at most 1 s); a goodbye still unsent then is dropped."""
+        wait = min(self.timeout, 1.0) if goodbye is None else goodbye
+        tasks, self._tasks = self._tasks, []
+        try:
+            if self._sock is not None and self._lost is None and self.welcome is not None:
+                # Best effort: a daemon that is gone cannot be told.
+                with contextlib.suppress(KvmuxError, TimeoutError, zmq.ZMQError):
+                    await asyncio.wait_for(self._request(p.Bye(id=0)), wait)
+            for task in tasks:
+                task.cancel()
+            # gather, not a suppressed CancelledError per task: a cancellation of
+            # the caller itself (Ctrl-C) while it waits here must not be swallowed.
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None
+            self._fail_all(DaemonUnreachable(f"client for {self.endpoint} closed"))
 
     def _unreachable(self, why: str) -> DaemonUnreachable:
         return DaemonUnreachable(
@@ -400,8 +408,11 @@ class Client:
         finally:
             self._logs = None
             if self._sock is not None and self._lost is None:
-                with contextlib.suppress(KvmuxError, TimeoutError):
-                    await self._request(p.UnsubscribeLogs(id=0))
+                # Not waited for: requests are taken in order, so nothing sent after it
+                # is answered as if still subscribed; a daemon that stopped answering
+                # must not hold whoever stops reading.
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._sock.send(p.encode(p.UnsubscribeLogs(id=next(self._ids))))
 
     async def _request(self, msg: p.Request) -> p.Reply:
         """Send ``msg`` and wait for its reply. A refusal for want of request budget
@@ -450,6 +461,10 @@ class Client:
             except msgspec.DecodeError:
                 continue  # a newer daemon's message this client cannot read
             self._route(reply)
+            # pyzmq completes a recv at once while messages are queued, without a turn
+            # of the event loop: a client slower than the daemon's stream would never
+            # let its other tasks run (the command itself, every timeout, Ctrl-C).
+            await asyncio.sleep(0)
 
     def _route(self, reply: p.Reply) -> None:
         match reply:

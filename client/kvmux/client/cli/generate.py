@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 import time
 
 import msgspec
 
 from .. import protocol as p
-from ..errors import KvmuxError
 from .connect import INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
+from .interrupt import goodbye, goodbye_left
 
 
 def item_from_args(args: argparse.Namespace) -> p.Item:
@@ -60,12 +59,12 @@ async def generate(args: argparse.Namespace) -> int:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            with contextlib.suppress(KvmuxError, TimeoutError):
-                await asyncio.wait_for(client.cancel(job.job_id), 2.0)
-            print("\nkvmux: interrupted", file=sys.stderr)
+            said = await goodbye(client, client.cancel(job.job_id))
+            what = "cancelled" if said else "cancel not confirmed by kvmuxd"
+            print(f"\nkvmux: interrupted ({what})", file=sys.stderr)
             return INTERRUPTED
     finally:
-        await client.close()
+        await client.close(goodbye=goodbye_left())
     # The final text can hold what the last delta had not completed yet
     # (a multi-byte character cut at the step boundary).
     if result.text.startswith(shown) and len(result.text) > len(shown):

@@ -23,13 +23,11 @@ from .._client import Chunk, Client, Feeder, Job
 from ..errors import BadRequest, DaemonUnreachable, KvmuxError, NotFound, NotReady, ShuttingDown
 from .batch import BatchReader, LineError
 from .connect import COULD_NOT_RUN, INTERRUPTED, ITEMS_FAILED, OK, CliError, open_client
+from .interrupt import GOODBYE_SECONDS, goodbye, goodbye_left
 from .progress import Reporter, failure_label, make_reporter
 from .results import ResultSink, done_ids, open_outputs, resolve_format
 
 T = TypeVar("T")
-
-# How long an interrupted command spends telling the daemon what to do with its job.
-_GOODBYE_SECONDS = 2.0
 
 
 def read_entries(
@@ -125,11 +123,16 @@ async def submit(args: argparse.Namespace) -> int:
                     reporter.note(f"--resume: {readers[0].skipped} line(s) had results already")
             except asyncio.CancelledError:
                 _uncancel()
-                with contextlib.suppress(KvmuxError, TimeoutError):
-                    await asyncio.wait_for(conn.client.cancel(job.job_id), _GOODBYE_SECONDS)
-                return _interrupted(reporter, f"job {job.job_id} cancelled")
+                if await goodbye(conn.client, conn.client.cancel(job.job_id)):
+                    return _interrupted(reporter, f"job {job.job_id} cancelled")
+                return _interrupted(
+                    reporter,
+                    f"job {job.job_id}: kvmuxd did not confirm its cancel within "
+                    f"{GOODBYE_SECONDS:g} s; it cancels the job once it finds this client gone "
+                    "(server.client_timeout)",
+                )
         finally:
-            await conn.client.close()
+            await conn.client.close(goodbye=goodbye_left())
         return _finish(reporter, args.out)
 
 
@@ -153,28 +156,33 @@ async def results(args: argparse.Namespace) -> int:
     """``kvmux results JOB_ID``: re-attach to a job and write all of its results."""
     with contextlib.ExitStack() as stack, make_reporter(quiet=args.quiet) as reporter:
         conn = _Connection(await open_client(args.endpoint, args.timeout), args)
+        job_id = args.job_id
         try:
-            job = await conn.when_ready(lambda: conn.client.attach(args.job_id, keep_results=False))
-            fmt = resolve_format(args.format, job.format == "openai")
-            stdout = None if args.out is not None else reporter.stdout_writer()
-            outputs = open_outputs(fmt, args.out, args.errors, stdout)
-            stack.callback(outputs.close)
-            outputs.sink.model = _model(conn.client)
-            reporter.start(job.job_id, job.total)
             try:
+                job = await conn.when_ready(lambda: conn.client.attach(job_id, keep_results=False))
+                fmt = resolve_format(args.format, job.format == "openai")
+                stdout = None if args.out is not None else reporter.stdout_writer()
+                outputs = open_outputs(fmt, args.out, args.errors, stdout)
+                stack.callback(outputs.close)
+                outputs.sink.model = _model(conn.client)
+                reporter.start(job.job_id, job.total)
                 await conn.follow(job, reporter, outputs.sink, None)
                 outputs.finish()
             except asyncio.CancelledError:
                 _uncancel()
-                # Attaching made this client the job's owner; detach so that
-                # leaving does not cancel a job someone else submitted.
-                with contextlib.suppress(KvmuxError, TimeoutError):
-                    await asyncio.wait_for(conn.client.detach(job.job_id), _GOODBYE_SECONDS)
-                return _interrupted(
-                    reporter, f"job {job.job_id} keeps running; `kvmux results {job.job_id}` again"
-                )
+                # Attaching (perhaps just now, its answer still on the way) made this
+                # client the job's owner; detach so that leaving does not cancel a job
+                # someone else submitted.
+                if await goodbye(conn.client, conn.client.detach(job_id)):
+                    kept = f"job {job_id} keeps running; `kvmux results {job_id}` again"
+                else:
+                    kept = (
+                        f"job {job_id}: kvmuxd did not confirm the detach within "
+                        f"{GOODBYE_SECONDS:g} s (`kvmux jobs` shows whether it still runs)"
+                    )
+                return _interrupted(reporter, kept)
         finally:
-            await conn.client.close()
+            await conn.client.close(goodbye=goodbye_left())
         return _finish(reporter, args.out)
 
 
@@ -281,9 +289,9 @@ async def _run(
     finally:
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # gather, not a suppressed CancelledError per task: Ctrl-C landing while this
+        # waits is the command's own cancellation, and must not be swallowed here.
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def list_jobs(args: argparse.Namespace) -> int:

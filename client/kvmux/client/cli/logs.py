@@ -2,7 +2,7 @@
 
 The daemon streams events live and keeps no history (``journalctl -u kvmuxd``
 or its ``log.file`` has the past). So without ``-f`` the command shows what
-arrives within ``--window`` seconds; with ``-f`` it follows until Ctrl-C.
+arrives within ``--window`` seconds; with ``-f`` it follows until Ctrl-C (exit 130).
 With ``--job`` it stops at that job's end either way (its ``job_finished``
 event, or, when the level hides that, the job listed as done), and a job that
 has already finished is said to be so at once; an unknown job is ``not_found``.
@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.text import Text
 
 from .._client import Client
-from .connect import OK, open_client
+from .connect import INTERRUPTED, OK, open_client
+from .interrupt import goodbye_left
 
 # With --job: how often the job's state is checked, for an end the level filter hides.
 _JOB_POLL_SECONDS = 1.0
@@ -78,9 +79,8 @@ async def logs(args: argparse.Namespace) -> int:
                     finally:
                         shown.cancel()
                         watched.cancel()
-                        for pending in (shown, watched):
-                            with contextlib.suppress(asyncio.CancelledError):
-                                await pending
+                        # gather: a Ctrl-C landing here must reach the except below.
+                        await asyncio.gather(shown, watched, return_exceptions=True)
                     ended = watched.result() if watched.done() and not watched.cancelled() else None
                 if ended is not None:
                     print(f"kvmux: {ended}", file=sys.stderr, flush=True)
@@ -89,12 +89,15 @@ async def logs(args: argparse.Namespace) -> int:
     except TimeoutError:
         pass  # the window is over
     except asyncio.CancelledError:
-        # Ctrl-C is how one stops following: not an error.
+        # Ctrl-C is how one stops following; it still exits 130, as `tail -f` does,
+        # so a script tells it from following a job to its end.
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
+        await client.close(goodbye=goodbye_left())
+        return INTERRUPTED
     finally:
-        await client.close()
+        await client.close(goodbye=goodbye_left())
     return OK
 
 

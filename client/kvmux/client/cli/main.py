@@ -2,13 +2,14 @@
 
 Exit status: 0 all items succeeded (or the command did what it was asked),
 2 the job ran and some items failed, 1 nothing could run (daemon
-unreachable, job refused, bad command line), 130 interrupted.
+unreachable, job refused, bad command line), 130 interrupted (Ctrl-C), 143
+terminated (SIGTERM). Either signal stops a command within 2 s whatever the
+daemon does, a second one at once (see :mod:`.interrupt`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 from .. import __version__
 from ..endpoint import ENDPOINT_ENV
 from ..errors import KvmuxError
-from . import generate, jobs, logs, status
+from . import generate, interrupt, jobs, logs, status
 from .connect import COULD_NOT_RUN, INTERRUPTED, CliError
 
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
@@ -40,6 +41,9 @@ examples:
   kvmux logs -f
 
 exit status: 0 all ok, 2 some items failed, 1 nothing could run, 130 interrupted
+(Ctrl-C), 143 terminated (SIGTERM). A first Ctrl-C stops within 2 s (what was
+received is on disk; a submitted job is cancelled, a re-attached one left running),
+a second at once.
 """
 
 
@@ -248,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Show the daemon's structured log events: pretty on a terminal, JSON lines otherwise.",
         "The daemon streams events live and keeps no history (journalctl -u kvmuxd or its\n"
         "log.file has the past). Without -f this shows what arrives within --window seconds;\n"
-        "-f follows until Ctrl-C. With --job it ends at that job's job_finished event.",
+        "-f follows until Ctrl-C (exit status 130). With --job it ends at that job's\n"
+        "job_finished event (exit status 0).",
         "  kvmux logs -f\n  kvmux logs -f --level warning\n  kvmux logs -f --job 3f9c2a1b7d4e",
     )
     p.add_argument("-f", "--follow", action="store_true", help="keep following until Ctrl-C")
@@ -274,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Command = args.run
     try:
-        return asyncio.run(run(args))
+        return interrupt.run(run(args))
     except (CliError, KvmuxError) as exc:
         print(f"kvmux: {exc}", file=sys.stderr)
         return COULD_NOT_RUN
