@@ -39,11 +39,11 @@ def ms_per_token(engine: Engine, prompt: list[int], steps: int) -> float:
         if session.needs_growth():
             session.ensure_capacity()
         while session.prefilling:  # in chunks of prefill_chunk tokens
-            session.step()
+            engine.step(session)
         t0 = time.perf_counter()
         decoded = 0
         while not session.finished:
-            decoded += len(session.step().token_ids)
+            decoded += len(engine.step(session).token_ids)
         return (time.perf_counter() - t0) * 1000 / decoded
     finally:
         session.release()

@@ -74,7 +74,7 @@ def growth_share(engine: Engine, prompt: list[int], n_new: int) -> dict[str, Any
             growth_s += r.seconds
             copied += r.bytes_copied
             grows.append(r.new_capacity)
-        s.step()
+        engine.step(s)
     total = time.perf_counter() - t0
     final_bytes = s.cache.valid_len * engine.kv_spec.kv_bytes_per_token
     s.release()

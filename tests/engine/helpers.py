@@ -29,14 +29,14 @@ def record(session: DecodeSession) -> RecordingSampler:
 
 
 def decode(
-    session: DecodeSession, *, retry_failures: bool = False
+    engine: Engine, session: DecodeSession, *, retry_failures: bool = False
 ) -> tuple[list[int], list[np.ndarray[Any, Any]], list[int]]:
     """Run to the end; return tokens, per-step logits and the capacities seen."""
     rec = record(session)
     capacities: list[int] = []
     try:
         while not session.finished:
-            session.step()
+            engine.step(session)
             if not capacities or capacities[-1] != session.cache.capacity:
                 capacities.append(session.cache.capacity)
         # Every kept token was picked from recorded logits (none by a run's argmax).

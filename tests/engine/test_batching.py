@@ -85,7 +85,7 @@ def _drive(
 
 
 def _solo(engine: Engine, p: Plan) -> tuple[list[int], list[np.ndarray[Any, Any]]]:
-    tokens, logits, _ = decode(engine.new_session(p.prompt, p.params))
+    tokens, logits, _ = decode(engine, engine.new_session(p.prompt, p.params))
     return tokens, logits
 
 

@@ -50,8 +50,9 @@ def test_grown_session_equals_one_big_buffer_bit_for_bit(
     engine: Engine, big_buffer_engine: Engine
 ) -> None:
     prompt = prompt_ids(engine, 3)
-    grown_tokens, grown_logits, capacities = decode(engine.new_session(prompt, greedy(200)))
-    big_tokens, big_logits, big_caps = decode(big_buffer_engine.new_session(prompt, greedy(200)))
+    grown_tokens, grown_logits, capacities = decode(engine, engine.new_session(prompt, greedy(200)))
+    big = big_buffer_engine
+    big_tokens, big_logits, big_caps = decode(big, big.new_session(prompt, greedy(200)))
 
     assert capacities == [4, 8, 16, 32, 64, 128, 256]
     assert big_caps == [256]
@@ -63,7 +64,7 @@ def test_grown_session_equals_one_big_buffer_bit_for_bit(
 
 def test_shared_buffer_equals_concat_kv_reference(engine: Engine) -> None:
     prompt = prompt_ids(engine, 5, seed=1)
-    tokens, logits, _ = decode(engine.new_session(prompt, greedy(60)))
+    tokens, logits, _ = decode(engine, engine.new_session(prompt, greedy(60)))
     ref_logits = _reference_concat_kv(engine, prompt, 60)
     assert tokens == [int(np.argmax(x)) for x in ref_logits]
     for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
@@ -86,13 +87,13 @@ def test_a_corrupted_prefix_copy_is_detected(
     engine: Engine, big_buffer_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompt = prompt_ids(engine, 3, seed=2)
-    _, good_logits, _ = decode(big_buffer_engine.new_session(prompt, greedy(40)))
+    _, good_logits, _ = decode(big_buffer_engine, big_buffer_engine.new_session(prompt, greedy(40)))
 
     def corrupted_cache(hard_max: Any) -> HostKvCache:
         return _OffByOneCopy(engine.kv_spec, hard_max, min_bucket=4, budget=engine.budget)
 
     monkeypatch.setattr(engine, "new_cache", corrupted_cache)
-    _, bad_logits, caps = decode(engine.new_session(prompt, greedy(40)))
+    _, bad_logits, caps = decode(engine, engine.new_session(prompt, greedy(40)))
     assert len(caps) > 1, "the session never grew, so the corruption was never exercised"
     first_bad = next(
         (
@@ -117,12 +118,12 @@ def test_chunked_prefill_matches_one_shot(tiny_model: Any) -> None:
     s = chunked.new_session(prompt, greedy(20))
     steps_before_first_token = 0
     while not s.generated:
-        s.step()
+        chunked.step(s)
         steps_before_first_token += 1
     assert steps_before_first_token == 3  # 16 + 16 + 8
     s.release()
-    a_tokens, a_logits, _ = decode(chunked.new_session(prompt, greedy(20)))
-    b_tokens, b_logits, _ = decode(one_shot.new_session(prompt, greedy(20)))
+    a_tokens, a_logits, _ = decode(chunked, chunked.new_session(prompt, greedy(20)))
+    b_tokens, b_logits, _ = decode(one_shot, one_shot.new_session(prompt, greedy(20)))
     assert a_tokens == b_tokens
     for a, b in zip(a_logits, b_logits, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

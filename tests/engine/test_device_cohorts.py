@@ -85,7 +85,7 @@ def test_a_refused_cohort_fails_one_session_and_the_others_decode_as_alone(
     storage.refuse_capacities.add(64)  # only the long session reaches bucket 64
     shapes = [(30, 40, "long"), (5, 20, "a"), (9, 15, "b"), (3, 25, "c")]
     alone = {
-        sid: decode(engine.new_session(prompt_ids(engine, n, seed=n), greedy(new)))[:2]
+        sid: decode(engine, engine.new_session(prompt_ids(engine, n, seed=n), greedy(new)))[:2]
         for n, new, sid in shapes
         if sid != "long"
     }
@@ -158,7 +158,7 @@ def test_cuda_batched_decode_equals_solo(cuda_engines: tuple[Engine, Engine]) ->
     for i, (s, (n, new)) in enumerate(zip(sessions, shapes, strict=True)):
         assert errors[s.session_id] == []
         tokens, solo_logits, _ = decode(
-            engine.new_session(prompt_ids(engine, n, seed=i), greedy(new))
+            engine, engine.new_session(prompt_ids(engine, n, seed=i), greedy(new))
         )
         assert list(s.generated) == tokens, s.session_id
         assert all(_close(a, b) for a, b in zip(logits[s.session_id], solo_logits, strict=True))
@@ -172,8 +172,8 @@ def test_cuda_growth_on_the_device_equals_one_big_buffer(
 ) -> None:
     grown, big = cuda_engines
     prompt = prompt_ids(grown, 5, seed=11)
-    tokens, logits, capacities = decode(grown.new_session(prompt, greedy(150)))
-    ref_tokens, ref_logits, ref_capacities = decode(big.new_session(prompt, greedy(150)))
+    tokens, logits, capacities = decode(grown, grown.new_session(prompt, greedy(150)))
+    ref_tokens, ref_logits, ref_capacities = decode(big, big.new_session(prompt, greedy(150)))
     assert capacities == [8, 16, 32, 64, 128, 256] and ref_capacities == [256]
     assert tokens == ref_tokens
     assert all(_close(a, b) for a, b in zip(logits, ref_logits, strict=True))

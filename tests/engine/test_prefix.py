@@ -36,7 +36,7 @@ def _donor(engine: Engine, prompt: list[int], n_new: int = 30) -> tuple[Holder, 
     session = engine.new_session(prompt, greedy(n_new))
     engine.prefix.attach(holder, session.cache, session.exact_prefix())  # type: ignore[arg-type]
     while not session.finished:
-        session.step()
+        engine.step(session)
     return holder, session
 
 
@@ -70,9 +70,9 @@ def test_a_forked_session_decodes_exactly_as_a_full_prefill(
     assert tokens == expected == session.cached_tokens
     # Its first bucket holds the copy and the first prompt chunk: not the donor's bucket.
     assert session.cache.capacity == 64 != donor.cache.capacity == 128
-    got_tokens, got_logits, capacities = decode(session)
+    got_tokens, got_logits, capacities = decode(engine, session)
     assert capacities[0] == 64 and capacities[-1] == 128  # and it grew on from there
-    want_tokens, want_logits, _ = decode(engine.new_session(mine, greedy(60)))
+    want_tokens, want_logits, _ = decode(engine, engine.new_session(mine, greedy(60)))
     assert got_tokens == want_tokens
     assert [x.tobytes() for x in got_logits] == [x.tobytes() for x in want_logits]
     assert session.completion().cached_tokens == expected
@@ -86,9 +86,9 @@ def test_a_growth_right_after_a_fork_keeps_the_copied_prefix(engine: Engine) -> 
     _, donor = _donor(engine, [*prompt[:48], *prompt_ids(engine, 20, seed=21)])
     session, tokens, _ = _forked(engine, prompt, greedy(40))
     assert tokens == 48 and session.cache.capacity == 64
-    got_tokens, got_logits, capacities = decode(session)
+    got_tokens, got_logits, capacities = decode(engine, session)
     assert capacities == [64, 128]
-    want_tokens, want_logits, _ = decode(engine.new_session(prompt, greedy(40)))
+    want_tokens, want_logits, _ = decode(engine, engine.new_session(prompt, greedy(40)))
     assert got_tokens == want_tokens
     assert [x.tobytes() for x in got_logits] == [x.tobytes() for x in want_logits]
     donor.release()
@@ -101,7 +101,7 @@ def test_a_fork_of_a_whole_prompt_has_room_for_the_first_new_token(engine: Engin
     _, donor = _donor(engine, prompt)
     session, tokens, _ = _forked(engine, prompt, greedy(20))
     assert tokens == 62 and session.cache.capacity == 128
-    assert decode(session)[2] == [128]
+    assert decode(engine, session)[2] == [128]
     donor.release()
 
 
@@ -115,8 +115,8 @@ def test_the_same_prompt_again_copies_all_but_its_last_two_tokens(engine: Engine
         params = SamplingParams(max_new_tokens=40, temperature=0.9, top_k=40, seed=seed)
         session, tokens, _ = _forked(engine, prompt, params)
         assert tokens == 46
-        got = decode(session)
-        want = decode(engine.new_session(prompt, params))
+        got = decode(engine, session)
+        want = decode(engine, engine.new_session(prompt, params))
         assert got[0] == want[0]
         assert [x.tobytes() for x in got[1]] == [x.tobytes() for x in want[1]]
     donor.release()
@@ -134,8 +134,8 @@ def test_a_kept_prefix_outlives_its_session_and_serves_later_prompts(engine: Eng
     later = [*system, *prompt_ids(engine, 20, seed=42)]
     session, tokens, _ = _forked(engine, later, greedy(50))
     assert tokens == 32
-    got = decode(session)
-    want = decode(engine.new_session(later, greedy(50)))
+    got = decode(engine, session)
+    want = decode(engine, engine.new_session(later, greedy(50)))
     assert got[0] == want[0]
     assert [x.tobytes() for x in got[1]] == [x.tobytes() for x in want[1]]
     cache.clear()
@@ -153,7 +153,7 @@ def test_a_fork_of_any_length_takes_what_keeps_every_logit_exact(
     holder, donor = _donor(engine, prompt, n_new=1)
     # 129: its own last token ran alone, so the copy stops before it.
     assert holder.exact == 128
-    want_tokens, want_logits, _ = decode(engine.new_session(prompt, greedy(12)))
+    want_tokens, want_logits, _ = decode(engine, engine.new_session(prompt, greedy(12)))
     assert engine.prefix is not None
     key = engine.prefix.key(prompt)
     chosen = set()
@@ -165,7 +165,7 @@ def test_a_fork_of_any_length_takes_what_keeps_every_logit_exact(
             session.release()
             continue
         session.start_from(engine.prefix, holder, key, tokens)
-        got_tokens, got_logits, _ = decode(session)
+        got_tokens, got_logits, _ = decode(engine, session)
         assert got_tokens == want_tokens, (match, tokens)
         assert [x.tobytes() for x in got_logits] == [x.tobytes() for x in want_logits], tokens
     if length == 129:

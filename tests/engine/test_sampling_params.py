@@ -46,7 +46,7 @@ def log_softmax(logits: Logits) -> Logits:
 
 def run(engine: Engine, prompt: list[int], **params: Any) -> tuple[list[int], list[Logits], Any]:
     session = engine.new_session(prompt, SamplingParams(**params))
-    tokens, logits, _ = decode(session)
+    tokens, logits, _ = decode(engine, session)
     return tokens, logits, session
 
 

@@ -30,7 +30,7 @@ def test_growth_failure_mid_decode_then_retry_gives_undisturbed_tokens(
     engine: Engine, failpoint: str
 ) -> None:
     prompt = prompt_ids(engine, 3, seed=4)
-    expected, _, _ = decode(engine.new_session(prompt, greedy(50)))
+    expected, _, _ = decode(engine, engine.new_session(prompt, greedy(50)))
 
     s = engine.new_session(prompt, greedy(50))
     failures = 0
@@ -40,12 +40,12 @@ def test_growth_failure_mid_decode_then_retry_gives_undisturbed_tokens(
             failpoints.arm(failpoint, 1)
             before = (s.cache.capacity, s.cache.valid_len, [id(k) for k in s.cache.keys])
             with pytest.raises(GrowthFailed) as info:
-                s.step()
+                engine.step(s)
             failures += 1
             assert info.value.details["failed_step"] == failpoint.removeprefix("kv.")
             assert (s.cache.capacity, s.cache.valid_len, [id(k) for k in s.cache.keys]) == before
             continue  # the retry is simply the next step
-        s.step()
+        engine.step(s)
     assert failures == 1
     assert s.generated == expected
     s.release()
@@ -54,19 +54,19 @@ def test_growth_failure_mid_decode_then_retry_gives_undisturbed_tokens(
 
 def test_run_failure_rolls_back_and_retries(engine: Engine) -> None:
     prompt = prompt_ids(engine, 3, seed=5)
-    expected, _, _ = decode(engine.new_session(prompt, greedy(20)))
+    expected, _, _ = decode(engine, engine.new_session(prompt, greedy(20)))
     s = engine.new_session(prompt, greedy(20))
     for _ in range(5):
-        s.step()
+        engine.step(s)
     valid = s.cache.valid_len
     failpoints.arm("engine.run", 1)
     with pytest.raises(RunFailed) as info:
-        s.step()
+        engine.step(s)
     assert info.value.details["cause"] == "injected"
     assert info.value.details["session_unchanged"] is True
     assert s.cache.valid_len == valid and int(s.cache.mask.sum()) == valid
     while not s.finished:
-        s.step()
+        engine.step(s)
     assert s.generated == expected
     s.release()
 
@@ -89,7 +89,7 @@ def test_explicit_cap_is_honoured(engine: Engine) -> None:
     assert info.value.details["hard_max_source"] == "item max_context 16"
 
     s = engine.new_session(prompt_ids(engine, 10), greedy(100), max_context=16)
-    tokens, _, caps = decode(s)
+    tokens, _, caps = decode(engine, s)
     # 10 prompt rows + 6 fed tokens fill 16; the 7th token is sampled from that run.
     assert len(tokens) == 7 and s.finish_reason == "length"
     assert max(caps) == 16
@@ -135,7 +135,7 @@ def test_stop_string_cuts_text_and_finishes(engine: Engine) -> None:
     s = engine.new_session("abc", SamplingParams(max_new_tokens=60, temperature=0, stop=(stop,)))
     streamed = ""
     while not s.finished:
-        streamed += s.step().text
+        streamed += engine.step(s).text
     assert s.finish_reason == "stop"
     assert streamed == s.completion().text == text[:cut]
     s.release()

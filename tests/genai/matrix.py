@@ -558,7 +558,7 @@ def engine_greedy(folder: Path, n_new: int = N_NEW) -> Decode:
     growths, capacity = 0, None
     try:
         while not session.finished:
-            session.step()
+            engine.step(session)
             if not session.prefilling:
                 if capacity is not None and session.cache.capacity != capacity:
                     growths += 1

@@ -23,7 +23,7 @@ SHARED = [gf.BOS_ID, *range(40, 77)]  # 38 tokens: 4 whole blocks and 6 more
 N_NEW = 80
 
 
-def _decode(session: DecodeSession) -> tuple[list[int], list[np.ndarray[Any, Any]]]:
+def _decode(engine: Engine, session: DecodeSession) -> tuple[list[int], list[np.ndarray[Any, Any]]]:
     """Greedy to the end, every pick through a recording sampler."""
     logits: list[np.ndarray[Any, Any]] = []
     pick = session.sampler
@@ -36,7 +36,7 @@ def _decode(session: DecodeSession) -> tuple[list[int], list[np.ndarray[Any, Any
     session.picks_argmax = False
     try:
         while not session.finished:
-            session.step()
+            engine.step(session)
         return list(session.generated), logits
     finally:
         session.release()
@@ -66,7 +66,7 @@ def test_a_forked_session_is_bit_equal_to_a_whole_prefill(
     key = cache.key(donor_prompt)
     copied = []
     for prompt in ([*SHARED, *range(120, 133)], donor_prompt):  # another tail; the same prompt
-        want_tokens, want_logits = _decode(engine.new_session(prompt, _greedy()))
+        want_tokens, want_logits = _decode(engine, engine.new_session(prompt, _greedy()))
         assert len(set(want_tokens)) >= m.MIN_DISTINCT  # a decode that can tell copies apart
         # A live donor that has prefilled its prompt, registered as the scheduler does.
         cache.lookup(key)
@@ -75,7 +75,7 @@ def test_a_forked_session_is_bit_equal_to_a_whole_prefill(
         donor = engine.new_session(donor_prompt, SamplingParams(max_new_tokens=1))
         cache.attach(holder, donor.cache, donor.exact_prefix())  # type: ignore[arg-type]
         while donor.prefilling:
-            donor.step()
+            engine.step(donor)
         mine = cache.key(prompt)
         session = engine.new_session(prompt, _greedy())
         tokens = session.fork_tokens(min(cache.lookup(mine).tokens, holder.exact))
@@ -83,7 +83,7 @@ def test_a_forked_session_is_bit_equal_to_a_whole_prefill(
         copied.append(tokens)
         assert cache.leave(holder, keep=False)
         donor.release()  # the copy is the session's own
-        got_tokens, got_logits = _decode(session)
+        got_tokens, got_logits = _decode(engine, session)
         assert got_tokens == want_tokens
         pairs = zip(got_logits, want_logits, strict=True)
         assert max(float(np.abs(a - b).max()) for a, b in pairs) == 0.0

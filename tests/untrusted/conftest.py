@@ -33,7 +33,7 @@ def kvmux(
     daemon: DaemonProcess, *args: str, timeout: float = 90.0
 ) -> subprocess.CompletedProcess[str]:
     """``kvmux ARGS`` against ``daemon``, to completion, both pipes captured."""
-    return Kvmuxd(daemon.endpoint, daemon.log_path).run(*args, timeout=timeout)
+    return Kvmuxd(daemon.endpoint, daemon.log_path, daemon.pid).run(*args, timeout=timeout)
 
 
 def jsonl(text: str) -> list[Any]:

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 grown = session.ensure_capacity()
                 buckets.append(grown.new_capacity)
                 copied += grown.bytes_copied
-            out = session.step()
+            out = engine.step(session)
             sys.stdout.write(out.text)
             sys.stdout.flush()
         elapsed = time.perf_counter() - t0

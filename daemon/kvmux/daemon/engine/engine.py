@@ -344,8 +344,17 @@ class Engine:
     def open_session(self, admission: Admission, session_id: str | None = None) -> DecodeSession:
         """A decode session for an admitted item; its cache starts empty (capacity 0)."""
         sid = session_id or f"s{next(self._ids)}"
+        sampling = admission.sampling
+        spec = sampling.structured
         return DecodeSession(
-            self, admission.prompt_ids, admission.sampling, self.new_cache(admission.hard_max), sid
+            admission.prompt_ids,
+            sampling,
+            self.new_cache(admission.hard_max),
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.spec.eos_token_ids,
+            prefill_chunk=self.options.prefill_chunk,
+            grammar=None if spec is None else self.structured.matcher(spec),
+            session_id=sid,
         )
 
     def new_session(
@@ -358,6 +367,15 @@ class Engine:
     ) -> DecodeSession:
         """:meth:`admit` and :meth:`open_session` in one call."""
         return self.open_session(self.admit(prompt, params, max_context=max_context), session_id)
+
+    def step(self, session: DecodeSession) -> StepOutput:
+        """One step of one session alone (tests, the CLI); its failure is raised."""
+        if session.finished:
+            raise RuntimeError(f"session {session.session_id} already finished")
+        (out,) = self.step_many([session])
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     def step_many(
         self, sessions: Sequence[DecodeSession], steps: int = 1
@@ -600,7 +618,7 @@ class Engine:
         session = self.new_session(prompt, params, max_context=max_context)
         try:
             while not session.finished:
-                session.step()
+                self.step(session)
             return session.completion()
         finally:
             session.release()

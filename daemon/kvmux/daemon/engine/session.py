@@ -26,7 +26,7 @@ from .structured import Matcher
 from .text import TextStream
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..model.tokenizer import Tokenizer
 
 failpoints.register("engine.accept")
 
@@ -93,35 +93,39 @@ class Completion:
 class DecodeSession:
     """One item's sequence state: prompt, pending token, sampling, stop strings, the end.
 
-    It owns no execution: the engine asks it what to feed (:meth:`feed`),
-    runs that through its model runner on the session's KV cache, and hands the
-    logits back (:meth:`took`). Growth goes through :func:`kvmux.kv.ensure_capacity`
-    on :attr:`cache`; the scheduler reads the session (:meth:`needs_growth`,
-    :meth:`room`, :attr:`kv_bytes`, :attr:`capacity`, :attr:`valid_len`,
-    :attr:`hard_max`), never its cache.
+    It owns no execution and knows no engine (as vLLM V1's request state: the
+    runner owns the step and its device buffers): the engine asks it what to feed
+    (:meth:`feed`), runs that through its model runner on the session's KV cache,
+    and hands the logits back (:meth:`took`); one session alone steps by
+    :meth:`Engine.step <kvmux.daemon.engine.Engine.step>`. Growth goes through
+    :func:`kvmux.kv.ensure_capacity` on :attr:`cache`; the scheduler reads the
+    session (:meth:`needs_growth`, :meth:`room`, :attr:`kv_bytes`, :attr:`capacity`,
+    :attr:`valid_len`, :attr:`hard_max`), never its cache.
     """
 
     def __init__(
         self,
-        engine: Engine,
         prompt_ids: list[int],
         sampling: ResolvedSampling,
         cache: KvCache,
+        *,
+        tokenizer: Tokenizer,
+        eos_token_ids: tuple[int, ...],
+        prefill_chunk: int,
+        grammar: Matcher | None = None,
         session_id: str = "",
     ) -> None:
-        self.engine = engine
         self.session_id = session_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.cache = cache
-        self.sampler = Sampler(sampling, prompt_ids, engine.spec.eos_token_ids)
+        self.tokenizer = tokenizer
+        self.sampler = Sampler(sampling, prompt_ids, eos_token_ids)
         # A stop token id ends the item like EOS: neither is part of its tokens or text.
         self._ends = self.sampler.ends
         hard = cache.hard_max.value
         self._limit = sys.maxsize if hard is None else hard
-        decoder = engine.tokenizer.incremental_decoder(
-            skip_special_tokens=sampling.skip_special_tokens
-        )
+        decoder = tokenizer.incremental_decoder(skip_special_tokens=sampling.skip_special_tokens)
         self.stream = TextStream(decoder, sampling.stop)
         # Without stop strings nothing about the end depends on the text, so it is
         # decoded where it is read (see StepOutput.text), under this lock: the model
@@ -134,7 +138,7 @@ class DecodeSession:
         self.logprobs: list[StepLogprobs] | None = [] if sampling.logprobs is not None else None
         self.finished = False
         self.finish_reason: str | None = None
-        self._chunk = engine.options.prefill_chunk
+        self._chunk = prefill_chunk
         self._prompt_pos = 0
         self.cached_tokens = 0
         self._pending: int | None = None
@@ -143,9 +147,7 @@ class DecodeSession:
         #: take from there without growing or reaching its length.
         self.ahead = 0
         #: Its grammar (structured outputs), a matcher of its own; None: free text.
-        self.grammar: Matcher | None = None
-        if sampling.structured is not None:
-            self.grammar = engine.structured.matcher(sampling.structured)
+        self.grammar = grammar
         #: Its next token is the logits' argmax and nothing else (greedy, no penalty,
         #: no min_tokens, no logprobs, no grammar): the engine may take it for a whole
         #: run at once.
@@ -364,15 +366,6 @@ class DecodeSession:
         if not self.finished and grammar.is_stopped():
             self._finish("stop", into)
 
-    def step(self) -> StepOutput:
-        """One step of this session alone (tests, the CLI): the engine's step of a batch of one."""
-        if self.finished:
-            raise RuntimeError(f"session {self.session_id} already finished")
-        (out,) = self.engine.step_many([self])
-        if isinstance(out, Exception):
-            raise out
-        return out
-
     def _accept(self, token: int, logprobs: StepLogprobs | None, into: StepOutput) -> None:
         if token in self._ends:
             self._finish("stop", into)
@@ -453,7 +446,7 @@ class DecodeSession:
     def _texted_logprobs(self) -> list[TokenLogprobs] | None:
         if self.logprobs is None:
             return None
-        text = self.engine.tokenizer.token_text
+        text = self.tokenizer.token_text
         return [
             TokenLogprobs(
                 e.token_id,
