@@ -178,6 +178,26 @@ def test_file_appends_and_respects_the_level(tmp_path: Path) -> None:
     assert events == ["earlier", "shown"]
 
 
+def test_values_json_lacks_render_as_structlog_renders_them() -> None:
+    """Lines are rendered by msgspec; what it cannot encode (a Path, a key that is no
+    string or number) renders as structlog's JSON renderer renders it, and each line
+    is still one JSON document."""
+    out = io.StringIO()
+    configure_logging(stream=out)
+
+    class Named:
+        def __structlog__(self) -> str:
+            return "named"
+
+    log = structlog.get_logger()
+    log.info("odd", path=Path("/x"), sizes=(1, 2), obj=Named(), nan=float("nan"))
+    log.info("keys", by_tuple={(1, 2): "a"}, by_int={3: "b"})
+    odd, keys = _lines(out)
+    assert odd["path"] == repr(Path("/x")) and odd["sizes"] == [1, 2]
+    assert odd["obj"] == "named" and odd["nan"] is None
+    assert keys["by_int"] == {"3": "b"} and keys["by_tuple"] == {"(1, 2)": "a"}
+
+
 def test_reopen_without_a_file_is_a_noop() -> None:
     configure_logging(stream=io.StringIO())
     reopen_log_file()

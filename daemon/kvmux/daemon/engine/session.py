@@ -410,7 +410,7 @@ class DecodeSession:
         has finished, the decoder's rest."""
         with self._text_lock:
             tokens, self._undecoded = self._undecoded, []
-            text = "".join(map(self.stream.push, tokens))
+            text = self.stream.push_many(tokens)
             if self._flush_pending:
                 self._flush_pending = False
                 text += self.stream.finish()

@@ -38,6 +38,15 @@ class TextStream:
             return self._take(len(self.text))
         return self._take(max(len(self.text) - self._holdback, self._emitted))
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """:meth:`push` of each token in turn, joined."""
+        if self._stops or self.stopped:
+            return "".join([self.push(t) for t in token_ids])
+        piece = self._decoder.push_many(token_ids)
+        self.text += piece
+        self._emitted = len(self.text)
+        return piece
+
     def finish(self) -> str:
         """The rest of the text, once generation has ended for any reason."""
         if not self.stopped:

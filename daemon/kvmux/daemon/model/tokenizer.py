@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -210,8 +210,20 @@ class IncrementalDecoder:
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
-    def push_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.push(t) for t in token_ids)
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        """``push`` of each id in turn, joined; one UTF-8 decode for them all when every
+        one is an ordinary token of a byte-level tokenizer (the daemon's loop decodes
+        a chunk of each session's tokens at once)."""
+        known = self._known
+        try:
+            data = b"".join([known[t] for t in token_ids])
+        except KeyError:  # special, never seen, or not byte-level: one at a time
+            return "".join([self.push(t) for t in token_ids])
+        if self._held:
+            data = self._held + data
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        self._held = data[used:]
+        return text
 
     def flush(self) -> str:
         """Text still held back (an incomplete sequence becomes U+FFFD); resets the state."""
