@@ -234,8 +234,7 @@ class _FileSink:
         return self.path.open("a", buffering=1, encoding="utf-8")
 
     def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
-        rendered = self._render(logger, method_name, dict(event_dict))
-        line = rendered.decode() if isinstance(rendered, bytes) else rendered
+        line = self._render(logger, method_name, dict(event_dict))
         with self._lock:
             if self._file is not None:
                 try:
