@@ -27,10 +27,25 @@ class EngineWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self.run_beside(None, fn, *args, **kwargs)
+
+    async def run_beside(
+        self,
+        beside: Callable[[], object] | None,
+        fn: Callable[P, T],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """:meth:`run`, calling ``beside()`` on the caller's thread once ``fn`` is handed
+        to the model thread: work the call need not wait for overlaps it."""
         ctx = contextvars.copy_context()
         future = self._executor.submit(lambda: ctx.run(fn, *args, **kwargs))
         with anyio.CancelScope(shield=True):
-            result = await asyncio.wrap_future(future)
+            try:
+                if beside is not None:
+                    beside()
+            finally:  # the model thread's work is awaited whatever beside() did
+                result = await asyncio.wrap_future(future)
         return result
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import anyio
@@ -88,6 +89,16 @@ def _steps_that_fit(sessions: list[DecodeSession]) -> int:
     return fit
 
 
+@dataclass(slots=True)
+class _Ending:
+    """Items ended in one pass over a run's outputs: whether a session was parked
+    when the first ended (None: not looked yet), and what the pass leaves to do."""
+
+    parked: bool | None = None
+    freed: bool = False
+    waiters: bool = False
+
+
 class TurnLoop:
     """The active set and the loop that runs it, turn after turn."""
 
@@ -117,6 +128,10 @@ class TurnLoop:
         self._seq = 0
         self._draining = False
         self._step_seconds = 0.0  # a session's share of a recent decode step
+        # Sessions opened this turn whose first allocation went through: announced
+        # (logs, ItemStarted, the growth counted) while their first run goes on.
+        self._opened: list[tuple[ItemState, DecodeSession, GrowthResult, float]] = []
+        self._ending: _Ending | None = None  # set while _took goes over outputs
         self.tokens_generated = 0
         self.finished_by_code: Counter[str] = Counter()  # "ok" or the error code
         self.metrics: Metrics | None = None
@@ -179,6 +194,7 @@ class TurnLoop:
             else:
                 ready.append(state)
         if not ready:
+            self._announce_opened()
             return False
         sessions = [state.session for state in ready if state.session is not None]
         loop = asyncio.get_running_loop()
@@ -186,7 +202,8 @@ class TurnLoop:
         def post(chunk: _Chunk) -> None:
             loop.call_soon_threadsafe(self._took_chunk, ready, chunk)
 
-        last = await self.worker.run(self._run, sessions, self._first_chunk(sessions), post)
+        first = self._first_chunk(sessions)
+        last = await self.worker.run_beside(self._announce_opened, self._run, sessions, first, post)
         self._took(ready, last)
         return True
 
@@ -255,8 +272,18 @@ class TurnLoop:
             if self._step_seconds:
                 per_step = 0.8 * self._step_seconds + 0.2 * per_step
             self._step_seconds = per_step
-        for state, out in zip(ready, chunk.outputs, strict=True):
-            self._after_step(state, out)
+        # Whether a session is parked is looked at once for every item this pass ends,
+        # and the parked are resumed once after it: not once an item (256 at a time).
+        ending = self._ending = _Ending()
+        try:
+            for state, out in zip(ready, chunk.outputs, strict=True):
+                self._after_step(state, out)
+        finally:
+            self._ending = None
+        if ending.freed:
+            self._unpark()
+        elif ending.waiters:
+            self.poke()
 
     def _settle(self) -> None:
         """Act on cancellations and failures that arrived while the loop was away."""
@@ -337,25 +364,10 @@ class TurnLoop:
             state.session = session
             state.phase = "active"
             state.seen_tokens = state.seen_text = 0
-            log.info(
-                "session_started",
-                job_id=state.job.job_id,
-                session_id=session.session_id,
-                index=state.index,
-                prompt_tokens=len(session.prompt_ids),
-                cached_tokens=session.cached_tokens,
-                hard_max=session.hard_max.value,
-            )
-            self.outbox.emit(
-                state.job,
-                ItemStarted(
-                    job_id=state.job.job_id,
-                    index=state.index,
-                    custom_id=state.custom_id,
-                    session_id=session.session_id,
-                    prompt_tokens=len(session.prompt_ids),
-                ),
-            )
+            if isinstance(grown, GrowthResult):
+                self._opened.append((state, session, grown, waited))
+                continue
+            self._started(state, session)
             if isinstance(grown, GrowthFailed):
                 refused.append((state, grown))
             else:
@@ -363,6 +375,36 @@ class TurnLoop:
         # After the whole batch is active, so the policy sees who could free memory.
         for state, exc in refused:
             self._judge(state, exc, waited)
+
+    def _announce_opened(self) -> None:
+        """Log and announce the sessions this turn opened (their first run is already
+        under way: at 256 sessions a start costs the loop ~15 ms the model need not
+        wait for). Before any of their tokens: those are the loop's to stream after."""
+        opened, self._opened = self._opened, []
+        for state, session, grown, waited in opened:
+            self._started(state, session)
+            self._judge(state, grown, waited)
+
+    def _started(self, state: ItemState, session: DecodeSession) -> None:
+        log.info(
+            "session_started",
+            job_id=state.job.job_id,
+            session_id=session.session_id,
+            index=state.index,
+            prompt_tokens=len(session.prompt_ids),
+            cached_tokens=session.cached_tokens,
+            hard_max=session.hard_max.value,
+        )
+        self.outbox.emit(
+            state.job,
+            ItemStarted(
+                job_id=state.job.job_id,
+                index=state.index,
+                custom_id=state.custom_id,
+                session_id=session.session_id,
+                prompt_tokens=len(session.prompt_ids),
+            ),
+        )
 
     def _opens_inline(self, batch: list[ItemState]) -> bool:
         """Whether the loop opens ``batch`` itself: a few sessions whose first rows are
@@ -505,6 +547,8 @@ class TurnLoop:
         self, state: ItemState, *, result: ItemResult | None = None, error: Exception | None = None
     ) -> None:
         """End an item: release its session, record and announce its result."""
+        if self._opened:  # its start is told before its end, whatever ended it
+            self._announce_opened()
         job = state.job
         if result is None:
             assert error is not None
@@ -518,7 +562,14 @@ class TurnLoop:
             state.session = None
         # What it prefilled may stay for later prompts that begin alike, unless
         # memory is wanted right now (a parked session waits for it).
-        keep = result.status == "ok" and not any(s.phase == "parked" for s in self._active)
+        ending = self._ending
+        if ending is None:
+            parked = any(s.phase == "parked" for s in self._active)
+        else:
+            if ending.parked is None:
+                ending.parked = any(s.phase == "parked" for s in self._active)
+            parked = ending.parked
+        keep = result.status == "ok" and not parked
         self.prefix.leave(state, session, keep=keep)
         if state in self._active:
             self._active.remove(state)
@@ -555,7 +606,10 @@ class TurnLoop:
         self.outbox.emit(job, ItemFinished(job_id=job.job_id, result=result))
         if job.done:
             self._job_done(job)
-        if freed:
+        if ending is not None:  # _took acts once for every item it ends
+            ending.freed = ending.freed or freed > 0
+            ending.waiters = ending.waiters or bool(self.prefix.waiting)
+        elif freed:
             self._unpark()
         elif self.prefix.waiting:
             # Items may wait for its prefill: with nothing freed (it failed before its
