@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvmux.daemon.engine import BadPrompt, Engine, EngineOptions, SamplingParams
+from kvmux.daemon.engine.runner import DecodeSpan
 from kvmux.daemon.engine.structured import (
     MAX_SOURCE_BYTES,
     GrammarCompiler,
@@ -203,6 +204,49 @@ def test_apply_bitmask_on_the_device_equals_the_host() -> None:
 
 
 # -- the engine ------------------------------------------------------------------
+
+
+def test_a_steps_masks_are_applied_where_the_logits_are(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a batched step, the constrained rows' masks are applied in the run's own
+    logits buffer (the device's with CUDA: only the bitmask crosses), before the host
+    copies its rows; no other row's logits are touched."""
+    seen: list[tuple[list[int], np.ndarray]] = []
+    real = DecodeSpan.host_logits
+
+    def spy(span: DecodeSpan) -> np.ndarray:
+        where = np.asarray(span.bound.logits[:, 0, :])  # numpy here, the device's on CUDA
+        seen.append((span.host.tolist(), np.asarray(np.isneginf(where).any(axis=1))))
+        return real(span)
+
+    monkeypatch.setattr(DecodeSpan, "host_logits", spy)
+    rng = np.random.default_rng(3)
+    params = [
+        SamplingParams(max_new_tokens=6, temperature=0.9, seed=1, structured=spec(json=PERSON)),
+        SamplingParams(max_new_tokens=6, temperature=0.9, seed=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=0.0, structured=spec(regex="[a-z]{3,5}")),
+    ]
+    sessions = [
+        tiny_engine.new_session(
+            [int(t) for t in rng.integers(3, tiny_engine.spec.vocab_size, 8)], p, session_id=f"m{i}"
+        )
+        for i, p in enumerate(params)
+    ]
+    try:
+        for _ in range(4):
+            outs = tiny_engine.step_many(sessions, 1)
+            assert not any(isinstance(o, Exception) for o in outs)
+    finally:
+        for s in sessions:
+            s.release()
+    assert seen, "no batched step copied host rows"
+    for host, masked in seen:
+        # Rows 0 and 3 are constrained (a JSON schema, a regex): masked where they are;
+        # the sampled row 1 and the greedy row 2 are not.
+        assert host == [0, 1, 3]
+        assert masked.tolist() == [True, False, False, True]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -47,7 +47,7 @@ from .runner import DecodeSpan, ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
 from .session import Completion, DecodeSession, StepOutput
-from .structured import GrammarCompiler, allocate_bitmask, apply_bitmask
+from .structured import GrammarCompiler, allocate_bitmask
 
 log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.step")
@@ -521,10 +521,10 @@ class Engine:
             out[span.steps - 1] = picks
             stop = False
             if host:
-                host_logits = span.host_logits()
                 masked = bitmask is not None and mask_error is None
                 if bitmask is not None and masked:
-                    apply_bitmask(host_logits, bitmask[constrained], constrained)
+                    span.mask_host_rows(constrained, bitmask[constrained])
+                host_logits = span.host_logits()
                 for h, (j, logits) in enumerate(zip(host, host_logits, strict=True)):
                     session = sessions[j]
                     try:

@@ -21,6 +21,7 @@ from kvmux.kv import Placement, failpoints
 
 from ..model import ModelSpec
 from .runtime import OrtSession
+from .structured import apply_bitmask
 
 failpoints.register("engine.run")
 failpoints.register("engine.capture")
@@ -432,6 +433,16 @@ class DecodeSpan:
         if runner.device == "cuda":
             return runner.xp.asnumpy(picks)  # type: ignore[no-any-return]
         return picks  # type: ignore[no-any-return]
+
+    def mask_host_rows(self, which: Sequence[int], bitmask: np.ndarray[Any, Any]) -> None:
+        """Forbid, in the last step's logits where they are, the tokens ``bitmask``
+        (``int32 [len(which), words]``, llguidance's) forbids the host rows ``which``
+        (indices into :attr:`host`). With CUDA only the bitmask crosses (one word per
+        32 tokens of a row), and the rows' logits are masked on the device before the
+        host copies them; the other rows' logits are not touched."""
+        xp = self.runner.xp
+        rows = xp.asarray(self.host[np.asarray(which, dtype=np.int64)])
+        apply_bitmask(self.bound.logits[:, 0, :], xp.asarray(bitmask), rows, xp=xp)
 
     def host_logits(self) -> np.ndarray[Any, Any]:
         """The last step's logits of the host rows only, ``[len(host), vocab]`` float32."""
