@@ -16,7 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .conftest import Kvmuxd, cli_env, kvmux_argv
+import pytest
+
+from kvmux.kv import failpoints
+
+from .conftest import Kvmuxd, cli_env, kvmux_argv, serve
 
 ANSI = "\x1b["
 BAR = "\u2501"  # rich's bar glyph
@@ -123,19 +127,35 @@ def test_detach_then_results_collects_every_result(kvmuxd: Kvmuxd, tmp_path: Pat
 
 
 def test_interrupted_submit_keeps_its_results_and_logs_follow_a_job(
-    kvmuxd: Kvmuxd, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A long job holds the daemon's only session slot; interrupting its submit
     # cancels it, which is what lets the watched job start after `kvmux logs`
-    # subscribed, so the logs see all of the watched job's events.
+    # subscribed, so the logs see all of the watched job's events. The watched job
+    # takes turns with the long one, so it would start as soon as the long item then
+    # decoding ends: each decode step of this daemon sleeps 5 ms, so that item (2,000
+    # tokens) holds the slot ~10 s, however slowly a loaded machine starts `kvmux logs`
+    # (a race it once lost at 2,000 unslowed tokens, ~1 s). The first item is short:
+    # its result is what the interrupt must keep.
+    monkeypatch.setenv(failpoints.SLOW_ENV, "engine.step=0.005")
     long_batch = write_jsonl(
         tmp_path / "long.jsonl",
         [
-            {"custom_id": f"long{i}", "prompt": "z", "max_tokens": 2000, "ignore_eos": True}
+            {
+                "custom_id": f"long{i}",
+                "prompt": "z",
+                "max_tokens": 4 if i == 0 else 2000,
+                "ignore_eos": True,
+            }
             for i in range(200)
         ],
     )
     partial = tmp_path / "partial.jsonl"
+    with serve(tiny_model) as kvmuxd:
+        _interrupt_and_follow(kvmuxd, long_batch, partial, tmp_path)
+
+
+def _interrupt_and_follow(kvmuxd: Kvmuxd, long_batch: Path, partial: Path, tmp_path: Path) -> None:
     env = kvmuxd.env()
     with subprocess.Popen(
         kvmux_argv("submit", str(long_batch), "--out", str(partial)),
