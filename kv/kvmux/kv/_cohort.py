@@ -381,13 +381,82 @@ class CohortPool:
                 self.budget.release(row_bytes)
             raise
 
+    def claim_many(
+        self, capacity: int, count: int
+    ) -> tuple[list[tuple[Cohort, int]], MemoryError | None]:
+        """Up to ``count`` free rows of cohorts of ``capacity``, charged: one claim for rows
+        that move together (:func:`kvmux.kv.ensure_capacity_many`).
+
+        Free rows of the capacity's cohorts go first; the rest come from one new cohort
+        sized for them (on a device: as many rows as the capacity holds or as are
+        wanted, whichever is more, within the row limit and the budget), and another
+        only when one cannot hold them all. When the budget or the storage refuses,
+        the reclaimer is asked as :meth:`claim` does; what it cannot make room for is
+        left out: returns the rows had (in claim order, possibly none) and the refusal
+        (None when all ``count`` were had). Any other exception releases every row this
+        call claimed and propagates.
+        """
+        got: list[tuple[Cohort, int]] = []
+        row_bytes = capacity * self.spec.bytes_per_token
+        try:
+            while len(got) < count:
+                try:
+                    got.extend(self._claim_some(capacity, count - len(got)))
+                except MemoryError as exc:
+                    if self.budget.reclaim(_shortfall(exc, row_bytes)):
+                        continue
+                    return got, exc
+        except BaseException:
+            for cohort, row in got:
+                self.free(cohort, row)
+            raise
+        return got, None
+
+    def _claim_some(self, capacity: int, want: int) -> list[tuple[Cohort, int]]:
+        """At least one and at most ``want`` rows, charged: free rows when there are
+        some, else those of one new cohort. Raises a ``MemoryError`` having claimed
+        nothing when not even one row can be had."""
+        row_bytes = capacity * self.spec.bytes_per_token
+        per_row = self.storage.per_row
+        charged = 0
+        if per_row:
+            free = self.budget.free
+            if free is not None and want * row_bytes > free:
+                # What fits now; none fitting raises BudgetExceeded below.
+                want = max(1, free // row_bytes)
+            self.budget.reserve(want * row_bytes)
+            charged = want
+        try:
+            taken: list[tuple[Cohort, int]] = []
+            with self._lock:
+                # The order claim() hands rows out in: the largest cohort, the lowest row.
+                for cohort in self._ranked(capacity):
+                    for row, slot in enumerate(cohort.slots):
+                        if len(taken) == want:
+                            break
+                        if slot is None:
+                            taken.append((cohort, self._take(cohort, row)))
+                held = sum(c.rows for c in self._cohorts.get(capacity, []))
+            if not taken:
+                cohort = self._new_cohort(capacity, held, want)
+                with self._lock:
+                    self._cohorts.setdefault(capacity, []).append(cohort)
+                    taken = [(cohort, self._take(cohort, r)) for r in range(min(want, cohort.rows))]
+        except BaseException:
+            if charged:
+                self.budget.release(charged * row_bytes)
+            raise
+        if charged > len(taken):
+            self.budget.release((charged - len(taken)) * row_bytes)
+        return taken
+
     @staticmethod
     def _take(cohort: Cohort, row: int) -> int:
         cohort.slots[row] = _RESERVED
         cohort.used += 1
         return row
 
-    def _new_cohort(self, capacity: int, held: int) -> Cohort:
+    def _new_cohort(self, capacity: int, held: int, want: int = 1) -> Cohort:
         rows = self.rows_for(capacity)
         if self.storage.per_row:
             with self._lock:
@@ -396,7 +465,8 @@ class CohortPool:
                 return spare
         row_bytes = capacity * self.spec.bytes_per_token
         if not self.storage.per_row:
-            rows = min(rows, max(held, 1))
+            # Rows that move together are wanted at once: room for them, no more.
+            rows = min(rows, max(held, want, 1))
             free = self.budget.free
             if free is not None:
                 # What the prefix cache keeps is free to a session (given back below).
@@ -426,6 +496,63 @@ class CohortPool:
                 rows //= 2
                 continue
             return Cohort(capacity, rows, buffers, charge)
+
+    # -- rows that move together: the GroupGrowth seam of ensure_capacity_many --------
+    def allocate_many(
+        self, caches: Sequence[RowKvCache], new_capacity: int
+    ) -> tuple[list[StagedRow], MemoryError | None]:
+        """Claim rows of ``new_capacity`` for the first of ``caches`` that fit (see
+        :meth:`claim_many`), staged to receive their valid prefixes."""
+        claimed, refused = self.claim_many(new_capacity, len(caches))
+        nbytes = new_capacity * self.spec.bytes_per_token
+        staged = [
+            StagedRow(new_capacity, cohort, row, nbytes, cache._valid_len, cache)
+            for cache, (cohort, row) in zip(caches, claimed, strict=False)
+        ]
+        return staged, refused
+
+    def copy_prefix_many(self, staged: Sequence[StagedRow]) -> list[int]:
+        """Copy each staged row's valid prefix from its session's row: per K/V buffer, one
+        indexed copy for the rows of one source cohort into one target cohort with the
+        same valid length (sessions growing at one step have the same). Issued on the
+        storage's device and stream; :meth:`build_mask_many` waits for it."""
+        runs: dict[tuple[int, int, int], list[StagedRow]] = {}
+        for s in staged:
+            src = s.source
+            if s.valid > src._valid_len:
+                raise ValueError(f"cannot copy {s.valid} tokens from a row of {src._valid_len}")
+            if s.valid and src._cohort is not None:
+                runs.setdefault((id(src._cohort), id(s.cohort), s.valid), []).append(s)
+        if runs:
+            with self.storage.on_device():
+                for members in runs.values():
+                    old, new, n = members[0].source._cohort, members[0].cohort, members[0].valid
+                    assert old is not None
+                    src_rows = _rows([m.source._row for m in members])
+                    dst_rows = _rows([m.row for m in members])
+                    for a, b in zip(old.keys + old.values, new.keys + new.values, strict=True):
+                        b[dst_rows, :, :n, :] = a[src_rows, :, :n, :]
+        per_token = self.spec.kv_bytes_per_token
+        for s in staged:
+            s.bytes_copied = s.valid * per_token
+        return [s.bytes_copied for s in staged]
+
+    def build_mask_many(self, staged: Sequence[StagedRow]) -> None:
+        """Every staged row's mask in one write per target cohort, then one wait for the
+        copies and masks to land (a growth runs on another thread than the model)."""
+        targets: dict[int, list[StagedRow]] = {}
+        for s in staged:
+            targets.setdefault(id(s.cohort), []).append(s)
+        xp = self.xp
+        with self.storage.on_device():
+            for members in targets.values():
+                cohort = members[0].cohort
+                valid = xp.asarray([m.valid for m in members])[:, None]
+                columns = xp.arange(cohort.capacity)[None, :]
+                cohort.mask[_rows([m.row for m in members])] = (columns < valid).astype(
+                    cohort.mask.dtype
+                )
+            self.storage.synchronize()
 
     def settle(self, cohort: Cohort, row: int, owner: object) -> None:
         with self._lock:
@@ -660,6 +787,13 @@ class RowKvCache(KvState):
         self.capture_generation += 1
 
     # -- growth primitives -----------------------------------------------
+    @property
+    def grows_with(self) -> CohortPool | None:
+        """Its pool, which grows it together with other rows of the pool growing into the
+        same bucket (:func:`kvmux.kv.ensure_capacity_many`); None while seeded for a fork,
+        which copies from another row and grows alone."""
+        return self.pool if self._seed is None else None
+
     def seed(self, source: RowKvCache | None, tokens: int = 0) -> None:
         """Make the next growth copy ``source``'s first ``tokens`` positions instead of this
         cache's own prefix (None: its own again). Only :func:`kvmux.kv.fork_prefix` calls
@@ -746,6 +880,15 @@ class RowKvCache(KvState):
             f"RowKvCache(capacity={self._capacity}, valid={self._valid_len}, "
             f"cohort={self._cohort!r}, row={self._row})"
         )
+
+
+def _rows(rows: list[int]) -> slice | list[int]:
+    """Rows to index with: a slice when they are adjacent and ascending (a plain strided
+    copy, no gather), else the list (a gather)."""
+    first = rows[0]
+    if rows == list(range(first, first + len(rows))):
+        return slice(first, first + len(rows))
+    return rows
 
 
 def _shortfall(exc: MemoryError, asked: int) -> int:
