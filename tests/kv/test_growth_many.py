@@ -101,12 +101,18 @@ def test_a_group_moves_in_one_allocation_keeping_every_token(kind: str) -> None:
     lengths = [4, 4, 4, 4, 2, 3]
     required = [5, 5, 5, 5, 6, 8]
     caches, refs = _opened(pool, lengths)
+    # A neighbour that stays in bucket 4: the old rows beside it are zeroed, not dropped.
+    [stay], [stay_ref] = _opened(pool, [3], seed=1)
     for c in caches:
         c.capture_valid = True
     sources = {c.placement().group for c in caches}
     if kind == "device":
         assert len(sources) == 4  # rows 1 + 1 + 2 + 2 of 4
+    syncs = storage.syncs if isinstance(storage, FakeDeviceStorage) else 0
     results = ensure_capacity_many(caches, required)
+    if isinstance(storage, FakeDeviceStorage):
+        # One wait for the copies and masks, one for zeroing the old rows that stay.
+        assert storage.syncs - syncs == 2
     assert all(isinstance(r, GrowthResult) and r.grew for r in results)
     assert [(r.old_capacity, r.new_capacity, r.valid_len) for r in results] == [  # type: ignore[union-attr]
         (4, 8, n) for n in lengths
@@ -121,8 +127,14 @@ def test_a_group_moves_in_one_allocation_keeping_every_token(kind: str) -> None:
     assert not any(c.capture_valid for c in caches)
     for c, ref in zip(caches, refs, strict=True):
         _assert_intact(c, ref)
-    # The old rows went back.
-    assert [c.capacity for c in pool.cohorts()] == [8]
+    # The old rows went back: zeroed beside the neighbour, their cohorts dropped else.
+    assert sorted(c.capacity for c in pool.cohorts()) == [4, 8]
+    _assert_intact(stay, stay_ref)
+    (old,) = [c for c in pool.cohorts() if c.capacity == 4]
+    free_rows = [r for r, owner in enumerate(old.slots) if owner is None]
+    assert free_rows and old.used == 1
+    for buf in (*old.keys, *old.values, old.mask):
+        assert not buf[free_rows].any()
     # They decode on: each keeps appending tokens and holds exactly them.
     rng = np.random.default_rng(9)
     for _ in range(3):
@@ -266,3 +278,26 @@ def test_each_cache_gets_its_own_outcome() -> None:
         ensure_capacity_many([caches[0], caches[0]], [9, 9])
     with pytest.raises(ValueError):
         ensure_capacity_many(caches[:1], [-1])
+
+
+def test_old_rows_whose_zeroing_fails_are_retired_and_the_growth_stands() -> None:
+    storage = FakeDeviceStorage()
+    pool = _pool(storage)
+    # Four rows in cohorts of 1, 1 and 2 rows, which they leave empty (dropped); the
+    # fifth beside a session that stays, in a cohort of 4 rows: zeroed, and that fails.
+    caches, refs = _opened(pool, [4, 4, 4, 4])
+    [stay], _ = _opened(pool, [2], seed=3)
+    [mover], [mover_ref] = _opened(pool, [4], seed=4)
+    assert mover.placement().group == stay.placement().group
+    together = [*caches, mover]
+    with failpoints.armed_for("kv.clear_row", 1):
+        results = ensure_capacity_many(together, [5] * 5)
+    assert all(isinstance(r, GrowthResult) and r.grew for r in results)
+    for c, r in zip(together, [*refs, mover_ref], strict=True):
+        _assert_intact(c, r)
+    (old,) = [c for c in pool.cohorts() if c.capacity == 4]
+    assert old.retired == 1 and old.used == 1 and old.has_room()
+    stay.release()
+    for c in together:
+        c.release()
+    assert pool.cohorts() == [] and pool.budget.used == 0

@@ -72,8 +72,8 @@ class GroupGrowth(Protocol[Staged]):
     """Primitives that move several caches into one new bucket at once (one claim, batched
     copies, one mask operation per target buffer): what :func:`kvmux.kv.ensure_capacity_many`
     drives. Each stages, copies or builds for every cache it is given or raises having
-    touched nothing live; what it staged is the caches' own :meth:`GrowthBackend.commit`
-    and :meth:`GrowthBackend.discard` to settle.
+    touched nothing live; what it staged is committed by :meth:`commit_many`, or dropped
+    by the caches' own :meth:`GrowthBackend.discard`.
     """
 
     def allocate_many(
@@ -90,6 +90,11 @@ class GroupGrowth(Protocol[Staged]):
 
     def build_mask_many(self, staged: Sequence[Staged]) -> None:
         """Build every staged mask, then wait until the copies and masks have landed."""
+        ...
+
+    def commit_many(self, backends: Sequence[Any], staged: Sequence[Staged]) -> None:
+        """Each of ``backends`` swaps in its staged buffers (as its own
+        :meth:`GrowthBackend.commit`), then their old buffers are released; must not fail."""
         ...
 
 

@@ -554,6 +554,12 @@ class CohortPool:
                 )
             self.storage.synchronize()
 
+    def commit_many(self, caches: Sequence[RowKvCache], staged: Sequence[StagedRow]) -> None:
+        """Each of ``caches`` takes its staged row; then their old rows are freed together
+        (:meth:`free_many`). Does not raise."""
+        old = [o for c, s in zip(caches, staged, strict=True) if (o := c._adopt(s)) is not None]
+        self.free_many(old)
+
     def settle(self, cohort: Cohort, row: int, owner: object) -> None:
         with self._lock:
             cohort.slots[row] = owner
@@ -644,6 +650,60 @@ class CohortPool:
         if self.storage.per_row and not moved:
             self.budget.release(cohort.capacity * self.spec.bytes_per_token)
         if last:
+            self.budget.release(cohort.charge)
+
+    def free_many(self, rows: Sequence[tuple[Cohort, int]]) -> None:
+        """:meth:`free` for rows given back together (the old rows of a group's growth).
+
+        On a device, the rows of cohorts that others still hold are zeroed together,
+        one fill per buffer of a cohort, and waited for once; a cohort left with none
+        of its rows held is dropped whole, unzeroed, as :meth:`free` drops a cohort's
+        last row. A zeroing that fails retires those rows. Host rows are freed one by
+        one: each gives its own pages back, and a host copy needs no wait. Does not
+        raise."""
+        if self.storage.per_row:
+            for cohort, row in rows:
+                self.free(cohort, row)
+            return
+        by_cohort: dict[int, tuple[Cohort, list[int]]] = {}
+        for cohort, row in rows:
+            by_cohort.setdefault(id(cohort), (cohort, []))[1].append(row)
+        dropped: list[Cohort] = []
+        zero: list[tuple[Cohort, list[int]]] = []
+        with self._lock:
+            for cohort, held in by_cohort.values():
+                if cohort.used == len(held):
+                    # Nobody else holds a row of it: gone before anyone can claim one.
+                    for row in held:
+                        cohort.slots[row] = None
+                    cohort.used = 0
+                    self._drop(cohort, None)
+                    dropped.append(cohort)
+                else:
+                    zero.append((cohort, held))
+        if zero:
+            try:
+                with self.storage.on_device():
+                    failpoints.hit("kv.clear_row")
+                    for cohort, held in zero:
+                        index = _rows(sorted(held))
+                        for buf in (*cohort.keys, *cohort.values, cohort.mask):
+                            buf[index] = 0
+                    # Landed before the rows are handed out (see free()).
+                    self.storage.synchronize()
+                clean = True
+            except Exception:  # noqa: BLE001 - retired below; the release itself goes on
+                clean = False
+            with self._lock:
+                for cohort, held in zero:
+                    for row in held:
+                        cohort.slots[row] = None if clean else _RETIRED
+                    cohort.used -= len(held)
+                    cohort.retired += 0 if clean else len(held)
+                    if cohort.used == 0:  # the other rows left meanwhile
+                        self._drop(cohort, None)
+                        dropped.append(cohort)
+        for cohort in dropped:
             self.budget.release(cohort.charge)
 
     def _keep_spare(self, cohort: Cohort, row: int) -> None:
@@ -831,7 +891,13 @@ class RowKvCache(KvState):
         self.capture_valid = False
 
     def commit(self, staged: StagedRow) -> None:
-        old, old_row = self._cohort, self._row
+        old = self._adopt(staged)
+        if old is not None:
+            self.pool.free(*old)
+
+    def _adopt(self, staged: StagedRow) -> tuple[Cohort, int] | None:
+        """Take ``staged`` as this cache's row; returns the old row, for the caller to free."""
+        old = None if self._cohort is None else (self._cohort, self._row)
         self.pool.settle(staged.cohort, staged.row, self)
         self._cohort, self._row, self._place = staged.cohort, staged.row, None
         self._capacity = staged.capacity
@@ -839,8 +905,7 @@ class RowKvCache(KvState):
         self._nbytes = staged.nbytes
         self.capture_generation += 1
         staged.released = True
-        if old is not None:
-            self.pool.free(old, old_row)
+        return old
 
     def discard(self, staged: StagedRow) -> None:
         if not staged.released:

@@ -164,18 +164,18 @@ def ensure_capacity_many(
     as one transaction: one claim of their rows (one allocation where a new cohort is
     needed), the prefix copies batched, one mask operation per target cohort and one
     wait for the device; each failpoint (``kv.allocate``, ``kv.copy_prefix``,
-    ``kv.build_mask``, ``kv.invalidate_capture``) is hit once for them. Then every
-    one commits (which cannot fail). A failure before commit leaves every cache of
-    the group exactly as it was, and each gets its own :class:`GrowthFailed`, the
-    one :func:`ensure_capacity` would raise (besides ``group_size`` and
-    ``group_transient_peak_bytes``). Other caches grow one by one.
+    ``kv.build_mask``, ``kv.invalidate_capture``) is hit once for them. Then all
+    commit (which cannot fail), their old rows freed together. A failure before
+    commit leaves every cache of the group exactly as it was, and each gets its own
+    :class:`GrowthFailed`, the one :func:`ensure_capacity` would raise (besides
+    ``group_size`` and ``group_transient_peak_bytes``). Other caches grow one by one.
 
     Memory may take only some of a group: the first that fit (in the order given)
     grow, which frees their old rows, and the rest try again as a group of their
     own, while any of a round could grow; those memory refused when none could
     each get their translated :class:`GrowthFailed` (cause ``budget`` or
-    ``out_of_memory``). So no cache is refused that growing the caches one by one,
-    in this order, would have grown.
+    ``out_of_memory``). Where rows are charged one by one (host memory), no cache
+    is refused that growing the caches one by one, in this order, would have grown.
 
     The transient peak: a group holds its members' old rows and new rows at once,
     so its peak is the sum of theirs. Growths of every session are serialized by
@@ -248,9 +248,10 @@ def _transact_group(
             for backend, old in zip(pending, olds, strict=True):
                 outcome[id(backend)] = _growth_failed(backend, old, new, step, exc, pending, mem)
             break
+        grown = pending[: len(staged)]
+        seam.commit_many(grown, staged)
         seconds = time.perf_counter() - started
-        for backend, rows, old, nbytes in zip(pending, staged, olds, copied, strict=False):
-            backend.commit(rows)
+        for backend, old, nbytes in zip(grown, olds, copied, strict=False):
             outcome[id(backend)] = GrowthResult(True, old, new, backend.valid_len, nbytes, seconds)
         rest = pending[len(staged) :]
         if rest and (refused is None or not staged):
