@@ -106,8 +106,10 @@ class GrowthCoordinator:
     their own threads, off the model's thread, so one session's long copy does
     not stall every other session's decode step; the lock is what keeps two of
     them from holding their peaks at the same time. It is held only around
-    :func:`kvmux.kv.ensure_capacity`, whose commit has released the old buffers
-    before the lock is let go.
+    :func:`kvmux.kv.ensure_capacity` (or :func:`kvmux.kv.ensure_capacity_many` for
+    sessions crossing into one bucket at one turn: one hold for all of them, whose
+    peak is the sum of theirs), whose commit has released the old buffers before the
+    lock is let go.
 
     ``serialize=False`` exists for the test that proves the lock's purpose:
     without it, concurrent growths overlap and a budget sized for one peak

@@ -5,7 +5,11 @@ plus a mask ``[rows, capacity]``. A session's KV is one row; growing it moves
 it to a free row of the next bucket's cohort through the same transaction as
 any growth (:func:`kvmux.kv.ensure_capacity`): claim a row, copy the valid
 prefix, build the mask row, commit, free the old row. A freed row is zeroed
-and the next claim takes the lowest free row of the largest cohort.
+and the next claim takes the lowest free row of the largest cohort. Rows bound
+for one bucket at one step move together (:func:`kvmux.kv.ensure_capacity_many`,
+through the pool's ``*_many`` primitives): one claim of their rows, one indexed
+copy per buffer, one mask write per target cohort, one wait, their old rows freed
+together.
 
 Rows move in two cases only, each by the one thread that owns the row at that
 moment: a growth (to the next bucket's cohort), and :meth:`CohortPool.compact`,
