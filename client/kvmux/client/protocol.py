@@ -383,6 +383,9 @@ class GrowthStats(msgspec.Struct, frozen=True):
     parked_retries: int
     # Sessions whose KV was released so older ones could grow; decoded again later.
     preemptions: int = 0
+    # Times the growth lock was taken: sessions growing into one bucket at one step
+    # (and sessions opened at one turn) take it once together.
+    lock_holds: int = 0
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True):

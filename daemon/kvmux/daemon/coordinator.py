@@ -35,7 +35,7 @@ from kvmux.client.protocol import GrowthStats
 from kvmux.kv import GrowthFailed, GrowthResult, capacity_bucket
 
 from .config import SchedulerConfig
-from .engine import Admission, DecodeSession, Engine
+from .engine import Admission, DecodeSession, Engine, grow_together
 
 log = structlog.get_logger("kvmux.coordinator")
 
@@ -106,8 +106,10 @@ class GrowthCoordinator:
     their own threads, off the model's thread, so one session's long copy does
     not stall every other session's decode step; the lock is what keeps two of
     them from holding their peaks at the same time. It is held only around
-    :func:`kvmux.kv.ensure_capacity`, whose commit has released the old buffers
-    before the lock is let go.
+    :func:`kvmux.kv.ensure_capacity` (or :func:`kvmux.kv.ensure_capacity_many` for
+    sessions crossing into one bucket at one turn: one hold for all of them, whose
+    peak is the sum of theirs), whose commit has released the old buffers before the
+    lock is let go.
 
     ``serialize=False`` exists for the test that proves the lock's purpose:
     without it, concurrent growths overlap and a budget sized for one peak
@@ -129,6 +131,7 @@ class GrowthCoordinator:
         self._wait = False
         self._retries = 0
         self.growths = 0
+        self.lock_holds = 0  # a group growing together holds the lock once
         self.bytes_copied = 0
         self.lock_wait_total = 0.0
         self.lock_wait_max = 0.0
@@ -153,6 +156,7 @@ class GrowthCoordinator:
         asked = time.perf_counter()
         async with self._guard():
             waited = time.perf_counter() - asked
+            self.lock_holds += 1
             self._record_wait(waited)
             yield waited
 
@@ -177,6 +181,32 @@ class GrowthCoordinator:
             except Exception as exc:  # noqa: BLE001 - judged below; that item fails alone
                 outcome = exc
         return self.decide(contender, outcome, waited, contenders)
+
+    async def grow_many(
+        self, contenders: Sequence[C]
+    ) -> tuple[list[GrowthResult | Exception], float]:
+        """Grow the sessions of ``contenders`` (bound for one bucket) to fit their next
+        steps, together, under ONE hold of the lock and on one thread: one claim of
+        their rows, batched copies (:func:`kvmux.kv.ensure_capacity_many`). Returns each
+        one's outcome, in order, and the lock wait; the caller hands each to
+        :meth:`decide` (and acts on its verdict before the next is decided, as after
+        single growths). A group's transient peak is the sum of its members'; the lock
+        keeps it apart from every other growth's, as it does a single one's.
+        """
+        sessions: list[DecodeSession] = []
+        for contender in contenders:
+            assert contender.session is not None
+            sessions.append(contender.session)
+        outcomes: list[GrowthResult | Exception]
+        async with self.held() as waited:
+            try:
+                grown = await anyio.to_thread.run_sync(
+                    grow_together, sessions, limiter=self._limiter
+                )
+                outcomes = list(grown)
+            except Exception as exc:  # noqa: BLE001 - a bug's, not a growth's: each item fails
+                outcomes = [exc] * len(sessions)
+        return outcomes, waited
 
     def decide(
         self,
@@ -306,6 +336,7 @@ class GrowthCoordinator:
     def stats(self) -> GrowthStats:
         return GrowthStats(
             growths=self.growths,
+            lock_holds=self.lock_holds,
             bytes_copied=self.bytes_copied,
             lock_wait_seconds_total=self.lock_wait_total,
             lock_wait_seconds_max=self.lock_wait_max,

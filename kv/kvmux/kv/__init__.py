@@ -8,7 +8,7 @@ free memory. Nothing here knows about ZeroMQ, onnxruntime or the daemon.
 """
 
 from . import failpoints
-from ._backend import GrowthBackend, GrowthResult, KvCache
+from ._backend import GroupGrowth, GrowthBackend, GrowthResult, KvCache
 from ._bucket import DEFAULT_MIN_BUCKET, MIN_BUCKET_ENV, capacity_bucket, resolve_min_bucket
 from ._budget import MemoryBudget, MemoryInfo, Reclaimer, host_memory
 from ._buffers import ArrayKvCache, StagedBuffers
@@ -24,7 +24,13 @@ from ._cohort import (
     carve,
 )
 from ._cuda import CudaStorage, cuda_memory, cuda_unavailable_reason
-from ._driver import ForkBackend, classify_cause, ensure_capacity, fork_prefix
+from ._driver import (
+    ForkBackend,
+    classify_cause,
+    ensure_capacity,
+    ensure_capacity_many,
+    fork_prefix,
+)
 from ._errors import (
     BudgetExceeded,
     CapacityExceeded,
@@ -61,6 +67,7 @@ __all__ = [
     "CohortStorage",
     "CudaStorage",
     "ForkBackend",
+    "GroupGrowth",
     "GrowthBackend",
     "GrowthFailed",
     "GrowthResult",
@@ -91,6 +98,7 @@ __all__ = [
     "cuda_memory",
     "cuda_unavailable_reason",
     "ensure_capacity",
+    "ensure_capacity_many",
     "entry_bytes",
     "failpoints",
     "fork_prefix",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -64,6 +65,36 @@ class GrowthBackend(Protocol[Staged]):
 
     def memory(self) -> MemoryInfo | None:
         """Device free/total now, or None when it cannot be measured."""
+        ...
+
+
+class GroupGrowth(Protocol[Staged]):
+    """Primitives that move several caches into one new bucket at once (one claim, batched
+    copies, one mask operation per target buffer): what :func:`kvmux.kv.ensure_capacity_many`
+    drives. Each stages, copies or builds for every cache it is given or raises having
+    touched nothing live; what it staged is committed by :meth:`commit_many`, or dropped
+    by the caches' own :meth:`GrowthBackend.discard`.
+    """
+
+    def allocate_many(
+        self, backends: Sequence[Any], new_capacity: int
+    ) -> tuple[list[Staged], MemoryError | None]:
+        """Stage ``new_capacity`` for as many of ``backends``, in order, as memory allows:
+        the staged (for ``backends[:len(staged)]``) and, when some were left out, the
+        refusal that left them out."""
+        ...
+
+    def copy_prefix_many(self, staged: Sequence[Staged]) -> list[int]:
+        """Copy each staged cache's valid prefix into it; bytes copied, per staged."""
+        ...
+
+    def build_mask_many(self, staged: Sequence[Staged]) -> None:
+        """Build every staged mask, then wait until the copies and masks have landed."""
+        ...
+
+    def commit_many(self, backends: Sequence[Any], staged: Sequence[Staged]) -> None:
+        """Each of ``backends`` swaps in its staged buffers (as its own
+        :meth:`GrowthBackend.commit`), then their old buffers are released; must not fail."""
         ...
 
 

@@ -5,7 +5,11 @@ plus a mask ``[rows, capacity]``. A session's KV is one row; growing it moves
 it to a free row of the next bucket's cohort through the same transaction as
 any growth (:func:`kvmux.kv.ensure_capacity`): claim a row, copy the valid
 prefix, build the mask row, commit, free the old row. A freed row is zeroed
-and the next claim takes the lowest free row of the largest cohort.
+and the next claim takes the lowest free row of the largest cohort. Rows bound
+for one bucket at one step move together (:func:`kvmux.kv.ensure_capacity_many`,
+through the pool's ``*_many`` primitives): one claim of their rows, one indexed
+copy per buffer, one mask write per target cohort, one wait, their old rows freed
+together.
 
 Rows move in two cases only, each by the one thread that owns the row at that
 moment: a growth (to the next bucket's cohort), and :meth:`CohortPool.compact`,
@@ -381,13 +385,82 @@ class CohortPool:
                 self.budget.release(row_bytes)
             raise
 
+    def claim_many(
+        self, capacity: int, count: int
+    ) -> tuple[list[tuple[Cohort, int]], MemoryError | None]:
+        """Up to ``count`` free rows of cohorts of ``capacity``, charged: one claim for rows
+        that move together (:func:`kvmux.kv.ensure_capacity_many`).
+
+        Free rows of the capacity's cohorts go first; the rest come from one new cohort
+        sized for them (on a device: as many rows as the capacity holds or as are
+        wanted, whichever is more, within the row limit and the budget), and another
+        only when one cannot hold them all. When the budget or the storage refuses,
+        the reclaimer is asked as :meth:`claim` does; what it cannot make room for is
+        left out: returns the rows had (in claim order, possibly none) and the refusal
+        (None when all ``count`` were had). Any other exception releases every row this
+        call claimed and propagates.
+        """
+        got: list[tuple[Cohort, int]] = []
+        row_bytes = capacity * self.spec.bytes_per_token
+        try:
+            while len(got) < count:
+                try:
+                    got.extend(self._claim_some(capacity, count - len(got)))
+                except MemoryError as exc:
+                    if self.budget.reclaim(_shortfall(exc, row_bytes)):
+                        continue
+                    return got, exc
+        except BaseException:
+            for cohort, row in got:
+                self.free(cohort, row)
+            raise
+        return got, None
+
+    def _claim_some(self, capacity: int, want: int) -> list[tuple[Cohort, int]]:
+        """At least one and at most ``want`` rows, charged: free rows when there are
+        some, else those of one new cohort. Raises a ``MemoryError`` having claimed
+        nothing when not even one row can be had."""
+        row_bytes = capacity * self.spec.bytes_per_token
+        per_row = self.storage.per_row
+        charged = 0
+        if per_row:
+            free = self.budget.free
+            if free is not None and want * row_bytes > free:
+                # What fits now; none fitting raises BudgetExceeded below.
+                want = max(1, free // row_bytes)
+            self.budget.reserve(want * row_bytes)
+            charged = want
+        try:
+            taken: list[tuple[Cohort, int]] = []
+            with self._lock:
+                # The order claim() hands rows out in: the largest cohort, the lowest row.
+                for cohort in self._ranked(capacity):
+                    for row, slot in enumerate(cohort.slots):
+                        if len(taken) == want:
+                            break
+                        if slot is None:
+                            taken.append((cohort, self._take(cohort, row)))
+                held = sum(c.rows for c in self._cohorts.get(capacity, []))
+            if not taken:
+                cohort = self._new_cohort(capacity, held, want)
+                with self._lock:
+                    self._cohorts.setdefault(capacity, []).append(cohort)
+                    taken = [(cohort, self._take(cohort, r)) for r in range(min(want, cohort.rows))]
+        except BaseException:
+            if charged:
+                self.budget.release(charged * row_bytes)
+            raise
+        if charged > len(taken):
+            self.budget.release((charged - len(taken)) * row_bytes)
+        return taken
+
     @staticmethod
     def _take(cohort: Cohort, row: int) -> int:
         cohort.slots[row] = _RESERVED
         cohort.used += 1
         return row
 
-    def _new_cohort(self, capacity: int, held: int) -> Cohort:
+    def _new_cohort(self, capacity: int, held: int, want: int = 1) -> Cohort:
         rows = self.rows_for(capacity)
         if self.storage.per_row:
             with self._lock:
@@ -396,7 +469,8 @@ class CohortPool:
                 return spare
         row_bytes = capacity * self.spec.bytes_per_token
         if not self.storage.per_row:
-            rows = min(rows, max(held, 1))
+            # Rows that move together are wanted at once: room for them, no more.
+            rows = min(rows, max(held, want, 1))
             free = self.budget.free
             if free is not None:
                 # What the prefix cache keeps is free to a session (given back below).
@@ -426,6 +500,69 @@ class CohortPool:
                 rows //= 2
                 continue
             return Cohort(capacity, rows, buffers, charge)
+
+    # -- rows that move together: the GroupGrowth seam of ensure_capacity_many --------
+    def allocate_many(
+        self, caches: Sequence[RowKvCache], new_capacity: int
+    ) -> tuple[list[StagedRow], MemoryError | None]:
+        """Claim rows of ``new_capacity`` for the first of ``caches`` that fit (see
+        :meth:`claim_many`), staged to receive their valid prefixes."""
+        claimed, refused = self.claim_many(new_capacity, len(caches))
+        nbytes = new_capacity * self.spec.bytes_per_token
+        staged = [
+            StagedRow(new_capacity, cohort, row, nbytes, cache._valid_len, cache)
+            for cache, (cohort, row) in zip(caches, claimed, strict=False)
+        ]
+        return staged, refused
+
+    def copy_prefix_many(self, staged: Sequence[StagedRow]) -> list[int]:
+        """Copy each staged row's valid prefix from its session's row: per K/V buffer, one
+        indexed copy for the rows of one source cohort into one target cohort with the
+        same valid length (sessions growing at one step have the same). Issued on the
+        storage's device and stream; :meth:`build_mask_many` waits for it."""
+        runs: dict[tuple[int, int, int], list[StagedRow]] = {}
+        for s in staged:
+            src = s.source
+            if s.valid > src._valid_len:
+                raise ValueError(f"cannot copy {s.valid} tokens from a row of {src._valid_len}")
+            if s.valid and src._cohort is not None:
+                runs.setdefault((id(src._cohort), id(s.cohort), s.valid), []).append(s)
+        if runs:
+            with self.storage.on_device():
+                for members in runs.values():
+                    old, new, n = members[0].source._cohort, members[0].cohort, members[0].valid
+                    assert old is not None
+                    src_rows = _rows([m.source._row for m in members])
+                    dst_rows = _rows([m.row for m in members])
+                    for a, b in zip(old.keys + old.values, new.keys + new.values, strict=True):
+                        b[dst_rows, :, :n, :] = a[src_rows, :, :n, :]
+        per_token = self.spec.kv_bytes_per_token
+        for s in staged:
+            s.bytes_copied = s.valid * per_token
+        return [s.bytes_copied for s in staged]
+
+    def build_mask_many(self, staged: Sequence[StagedRow]) -> None:
+        """Every staged row's mask in one write per target cohort, then one wait for the
+        copies and masks to land (a growth runs on another thread than the model)."""
+        targets: dict[int, list[StagedRow]] = {}
+        for s in staged:
+            targets.setdefault(id(s.cohort), []).append(s)
+        xp = self.xp
+        with self.storage.on_device():
+            for members in targets.values():
+                cohort = members[0].cohort
+                valid = xp.asarray([m.valid for m in members])[:, None]
+                columns = xp.arange(cohort.capacity)[None, :]
+                cohort.mask[_rows([m.row for m in members])] = (columns < valid).astype(
+                    cohort.mask.dtype
+                )
+            self.storage.synchronize()
+
+    def commit_many(self, caches: Sequence[RowKvCache], staged: Sequence[StagedRow]) -> None:
+        """Each of ``caches`` takes its staged row; then their old rows are freed together
+        (:meth:`free_many`). Does not raise."""
+        old = [o for c, s in zip(caches, staged, strict=True) if (o := c._adopt(s)) is not None]
+        self.free_many(old)
 
     def settle(self, cohort: Cohort, row: int, owner: object) -> None:
         with self._lock:
@@ -517,6 +654,60 @@ class CohortPool:
         if self.storage.per_row and not moved:
             self.budget.release(cohort.capacity * self.spec.bytes_per_token)
         if last:
+            self.budget.release(cohort.charge)
+
+    def free_many(self, rows: Sequence[tuple[Cohort, int]]) -> None:
+        """:meth:`free` for rows given back together (the old rows of a group's growth).
+
+        On a device, the rows of cohorts that others still hold are zeroed together,
+        one fill per buffer of a cohort, and waited for once; a cohort left with none
+        of its rows held is dropped whole, unzeroed, as :meth:`free` drops a cohort's
+        last row. A zeroing that fails retires those rows. Host rows are freed one by
+        one: each gives its own pages back, and a host copy needs no wait. Does not
+        raise."""
+        if self.storage.per_row:
+            for cohort, row in rows:
+                self.free(cohort, row)
+            return
+        by_cohort: dict[int, tuple[Cohort, list[int]]] = {}
+        for cohort, row in rows:
+            by_cohort.setdefault(id(cohort), (cohort, []))[1].append(row)
+        dropped: list[Cohort] = []
+        zero: list[tuple[Cohort, list[int]]] = []
+        with self._lock:
+            for cohort, held in by_cohort.values():
+                if cohort.used == len(held):
+                    # Nobody else holds a row of it: gone before anyone can claim one.
+                    for row in held:
+                        cohort.slots[row] = None
+                    cohort.used = 0
+                    self._drop(cohort, None)
+                    dropped.append(cohort)
+                else:
+                    zero.append((cohort, held))
+        if zero:
+            try:
+                with self.storage.on_device():
+                    failpoints.hit("kv.clear_row")
+                    for cohort, held in zero:
+                        index = _rows(sorted(held))
+                        for buf in (*cohort.keys, *cohort.values, cohort.mask):
+                            buf[index] = 0
+                    # Landed before the rows are handed out (see free()).
+                    self.storage.synchronize()
+                clean = True
+            except Exception:  # noqa: BLE001 - retired below; the release itself goes on
+                clean = False
+            with self._lock:
+                for cohort, held in zero:
+                    for row in held:
+                        cohort.slots[row] = None if clean else _RETIRED
+                    cohort.used -= len(held)
+                    cohort.retired += 0 if clean else len(held)
+                    if cohort.used == 0:  # the other rows left meanwhile
+                        self._drop(cohort, None)
+                        dropped.append(cohort)
+        for cohort in dropped:
             self.budget.release(cohort.charge)
 
     def _keep_spare(self, cohort: Cohort, row: int) -> None:
@@ -660,6 +851,13 @@ class RowKvCache(KvState):
         self.capture_generation += 1
 
     # -- growth primitives -----------------------------------------------
+    @property
+    def grows_with(self) -> CohortPool | None:
+        """Its pool, which grows it together with other rows of the pool growing into the
+        same bucket (:func:`kvmux.kv.ensure_capacity_many`); None while seeded for a fork,
+        which copies from another row and grows alone."""
+        return self.pool if self._seed is None else None
+
     def seed(self, source: RowKvCache | None, tokens: int = 0) -> None:
         """Make the next growth copy ``source``'s first ``tokens`` positions instead of this
         cache's own prefix (None: its own again). Only :func:`kvmux.kv.fork_prefix` calls
@@ -697,7 +895,13 @@ class RowKvCache(KvState):
         self.capture_valid = False
 
     def commit(self, staged: StagedRow) -> None:
-        old, old_row = self._cohort, self._row
+        old = self._adopt(staged)
+        if old is not None:
+            self.pool.free(*old)
+
+    def _adopt(self, staged: StagedRow) -> tuple[Cohort, int] | None:
+        """Take ``staged`` as this cache's row; returns the old row, for the caller to free."""
+        old = None if self._cohort is None else (self._cohort, self._row)
         self.pool.settle(staged.cohort, staged.row, self)
         self._cohort, self._row, self._place = staged.cohort, staged.row, None
         self._capacity = staged.capacity
@@ -705,8 +909,7 @@ class RowKvCache(KvState):
         self._nbytes = staged.nbytes
         self.capture_generation += 1
         staged.released = True
-        if old is not None:
-            self.pool.free(old, old_row)
+        return old
 
     def discard(self, staged: StagedRow) -> None:
         if not staged.released:
@@ -746,6 +949,15 @@ class RowKvCache(KvState):
             f"RowKvCache(capacity={self._capacity}, valid={self._valid_len}, "
             f"cohort={self._cohort!r}, row={self._row})"
         )
+
+
+def _rows(rows: list[int]) -> slice | list[int]:
+    """Rows to index with: a slice when they are adjacent and ascending (a plain strided
+    copy, no gather), else the list (a gather)."""
+    first = rows[0]
+    if rows == list(range(first, first + len(rows))):
+        return slice(first, first + len(rows))
+    return rows
 
 
 def _shortfall(exc: MemoryError, asked: int) -> int:

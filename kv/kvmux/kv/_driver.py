@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
 
 from . import failpoints
-from ._backend import GrowthBackend, GrowthResult
+from ._backend import GroupGrowth, GrowthBackend, GrowthResult
 from ._bucket import capacity_bucket
 from ._budget import MemoryInfo
 from ._errors import BudgetExceeded, CapacityExceeded, GrowthFailed, InjectedFault, format_bytes
@@ -93,9 +94,16 @@ def capacity_exceeded(backend: GrowthBackend[Any], required: int) -> CapacityExc
 
 
 def _growth_failed(
-    backend: GrowthBackend[Any], old: int, new: int, step: str, exc: Exception
+    backend: GrowthBackend[Any],
+    old: int,
+    new: int,
+    step: str,
+    exc: Exception,
+    group: Sequence[GrowthBackend[Any]] = (),
+    mem: MemoryInfo | None = None,
 ) -> GrowthFailed:
-    mem = _memory_now(backend)
+    if mem is None:
+        mem = _memory_now(backend)
     bpt = backend.bytes_per_token
     cause = classify_cause(exc)
     hard = backend.hard_max
@@ -115,11 +123,20 @@ def _growth_failed(
         "session_unchanged": True,
         "levers": list(GROWTH_LEVERS),
     }
+    together = ""
+    if len(group) > 1:
+        group_peak = sum(b.capacity + new for b in group) * bpt
+        details["group_size"] = len(group)
+        details["group_transient_peak_bytes"] = group_peak
+        together = (
+            f"It grew together with {len(group) - 1} other session(s) into the same bucket: "
+            f"their transient peak together is {format_bytes(group_peak)}. "
+        )
     message = (
         f"KV growth {old} -> {new} tokens failed at {step} ({cause}: {type(exc).__name__}: {exc}). "
         f"New allocation {format_bytes(new * bpt)}; transient peak "
         f"{format_bytes((old + new) * bpt)} (old + new buffers alive together) at "
-        f"{format_bytes(bpt)} per token; {_memory_text(mem)}. "
+        f"{format_bytes(bpt)} per token; {_memory_text(mem)}. {together}"
         f"Session state was left unchanged. To proceed: {'; '.join(GROWTH_LEVERS)}."
     )
     return GrowthFailed(message, details)
@@ -134,6 +151,125 @@ def ensure_capacity(backend: GrowthBackend[S], required: int) -> GrowthResult:
     call may be retried.
     """
     return _transact(backend, required, fork=False)
+
+
+def ensure_capacity_many(
+    backends: Sequence[GrowthBackend[Any]], required: Sequence[int]
+) -> list[GrowthResult | CapacityExceeded | GrowthFailed]:
+    """:func:`ensure_capacity` for many caches at once: each ``backends[i]`` to hold at
+    least ``required[i]`` tokens; one outcome per cache, in order, raised for none.
+
+    Caches that grow into the same new bucket through the same :class:`GroupGrowth`
+    (a :class:`~kvmux.kv.CohortPool`'s rows: a cache's ``grows_with``) move together,
+    as one transaction: one claim of their rows (one allocation where a new cohort is
+    needed), the prefix copies batched, one mask operation per target cohort and one
+    wait for the device; each failpoint (``kv.allocate``, ``kv.copy_prefix``,
+    ``kv.build_mask``, ``kv.invalidate_capture``) is hit once for them. Then all
+    commit (which cannot fail), their old rows freed together. A failure before
+    commit leaves every cache of the group exactly as it was, and each gets its own
+    :class:`GrowthFailed`, the one :func:`ensure_capacity` would raise (besides
+    ``group_size`` and ``group_transient_peak_bytes``). Other caches grow one by one.
+
+    Memory may take only some of a group: the first that fit (in the order given)
+    grow, which frees their old rows, and the rest try again as a group of their
+    own, while any of a round could grow; those memory refused when none could
+    each get their translated :class:`GrowthFailed` (cause ``budget`` or
+    ``out_of_memory``). Where rows are charged one by one (host memory), no cache
+    is refused that growing the caches one by one, in this order, would have grown.
+
+    The transient peak: a group holds its members' old rows and new rows at once,
+    so its peak is the sum of theirs. Growths of every session are serialized by
+    the caller (the daemon's growth lock is held around this whole call), so no
+    two groups' peaks, nor a group's and a single growth's, overlap. ``required``
+    values that are not non-negative integers, or a cache given twice, raise
+    ``ValueError`` before anything is touched.
+    """
+    if len(backends) != len(required):
+        raise ValueError(f"{len(backends)} caches but {len(required)} required lengths")
+    if len({id(b) for b in backends}) != len(backends):
+        raise ValueError("a cache is given twice")
+    for need in required:
+        _check_required(need)
+    out: list[GrowthResult | CapacityExceeded | GrowthFailed | None] = [None] * len(backends)
+    groups: dict[tuple[int, int], tuple[GroupGrowth[Any], list[int]]] = {}
+    for i, (backend, need) in enumerate(zip(backends, required, strict=True)):
+        hard = backend.hard_max.value
+        old = backend.capacity
+        seam: GroupGrowth[Any] | None = getattr(backend, "grows_with", None)
+        if (hard is not None and need > hard) or need <= old or seam is None:
+            try:
+                out[i] = ensure_capacity(backend, need)
+            except (CapacityExceeded, GrowthFailed) as exc:
+                out[i] = exc
+            continue
+        new = capacity_bucket(need, hard, backend.min_bucket)
+        groups.setdefault((id(seam), new), (seam, []))[1].append(i)
+    for (_, new), (seam, members) in groups.items():
+        grown = _transact_group(seam, [backends[i] for i in members], new)
+        for i, outcome in zip(members, grown, strict=True):
+            out[i] = outcome
+    return [o for o in out if o is not None]
+
+
+def _transact_group(
+    seam: GroupGrowth[S], backends: list[GrowthBackend[S]], new: int
+) -> list[GrowthResult | GrowthFailed]:
+    """Grow ``backends`` into bucket ``new`` together, in rounds while memory takes only
+    some of them (see :func:`ensure_capacity_many`)."""
+    outcome: dict[int, GrowthResult | GrowthFailed] = {}
+    pending = backends
+    while pending:
+        started = time.perf_counter()
+        olds = [b.capacity for b in pending]
+        step = "allocate"
+        staged: list[S] = []
+        copied: list[int] = []
+        refused: MemoryError | None = None
+        try:
+            failpoints.hit("kv.allocate")
+            staged, refused = seam.allocate_many(pending, new)
+            if staged:
+                step = "copy_prefix"
+                failpoints.hit("kv.copy_prefix")
+                copied = seam.copy_prefix_many(staged)
+                step = "build_mask"
+                failpoints.hit("kv.build_mask")
+                seam.build_mask_many(staged)
+                step = "invalidate_capture"
+                failpoints.hit("kv.invalidate_capture")
+                for backend in pending[: len(staged)]:
+                    backend.invalidate_capture()
+        except BaseException as exc:
+            for backend, rows in zip(pending, staged, strict=False):
+                backend.discard(rows)
+            if not isinstance(exc, Exception):
+                raise
+            mem = _memory_now(pending[0])
+            for backend, old in zip(pending, olds, strict=True):
+                outcome[id(backend)] = _growth_failed(backend, old, new, step, exc, pending, mem)
+            break
+        grown = pending[: len(staged)]
+        seam.commit_many(grown, staged)
+        seconds = time.perf_counter() - started
+        for backend, old, nbytes in zip(grown, olds, copied, strict=False):
+            outcome[id(backend)] = GrowthResult(True, old, new, backend.valid_len, nbytes, seconds)
+        rest = pending[len(staged) :]
+        if rest and (refused is None or not staged):
+            # Nothing more could be had (or the seam stopped short without saying why).
+            cause = refused or MemoryError(f"{len(rest)} of {len(pending)} rows not had")
+            mem = _memory_now(rest[0])
+            for backend in rest:
+                outcome[id(backend)] = _growth_failed(
+                    backend, backend.capacity, new, "allocate", cause, pending, mem
+                )
+            break
+        pending = rest
+    return [outcome[id(b)] for b in backends]
+
+
+def _check_required(required: int) -> None:
+    if isinstance(required, bool) or not isinstance(required, int) or required < 0:
+        raise ValueError(f"required must be a non-negative integer, got {required!r}")
 
 
 class ForkBackend(GrowthBackend[S], Protocol):
@@ -165,8 +301,7 @@ def fork_prefix(backend: ForkBackend[S], source: Any, tokens: int, required: int
 
 
 def _transact(backend: GrowthBackend[S], required: int, *, fork: bool) -> GrowthResult:
-    if isinstance(required, bool) or not isinstance(required, int) or required < 0:
-        raise ValueError(f"required must be a non-negative integer, got {required!r}")
+    _check_required(required)
     hard = backend.hard_max.value
     if hard is not None and required > hard:
         raise capacity_exceeded(backend, required)

@@ -11,7 +11,14 @@ from .sampling import (
     resolve_sampling,
     step_logprobs,
 )
-from .session import Completion, DecodeSession, StepOutput, TokenLogprobs, still_going
+from .session import (
+    Completion,
+    DecodeSession,
+    StepOutput,
+    TokenLogprobs,
+    grow_together,
+    still_going,
+)
 from .text import TextStream
 
 __all__ = [
@@ -32,6 +39,7 @@ __all__ = [
     "TextStream",
     "TokenLogprobs",
     "create_session",
+    "grow_together",
     "import_onnxruntime",
     "resolve_sampling",
     "step_logprobs",

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvmux.kv import (
+    CapacityExceeded,
+    GrowthFailed,
     GrowthResult,
     HardMax,
     Holder,
@@ -17,7 +20,9 @@ from kvmux.kv import (
     PrefixCache,
     PromptKey,
     RowKvCache,
+    capacity_bucket,
     ensure_capacity,
+    ensure_capacity_many,
     failpoints,
 )
 
@@ -58,6 +63,16 @@ class StepOutput:
     @text.setter
     def text(self, value: str) -> None:
         self._text = value
+
+
+def grow_together(
+    sessions: Sequence[DecodeSession],
+) -> list[GrowthResult | CapacityExceeded | GrowthFailed]:
+    """Grow each of ``sessions`` to fit its next step, those bound for one bucket together
+    (:func:`kvmux.kv.ensure_capacity_many`); one outcome each, in order."""
+    return ensure_capacity_many(
+        [s.cache for s in sessions], [s.required_capacity() for s in sessions]
+    )
 
 
 def still_going(out: StepOutput | Exception) -> bool:
@@ -218,6 +233,11 @@ class DecodeSession:
 
     def ensure_capacity(self) -> GrowthResult:
         return ensure_capacity(self.cache, self.required_capacity())
+
+    def growth_bucket(self) -> int:
+        """The bucket its next growth moves it to (sessions bound for one grow together)."""
+        cache = self.cache
+        return capacity_bucket(self.required_capacity(), cache.hard_max.value, cache.min_bucket)
 
     def fork_tokens(self, match: int) -> int:
         """How many tokens of a cached prefix of ``match`` tokens (whose KV a whole
