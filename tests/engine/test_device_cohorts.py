@@ -14,10 +14,17 @@ import jsonschema
 import numpy as np
 import pytest
 
-from kvmux.daemon.engine import DecodeSession, Engine, EngineOptions, SamplingParams
+from kvmux.daemon.engine import DecodeSession, Engine, EngineOptions, SamplingParams, grow_together
 from kvmux.daemon.engine.structured import StructuredSpec
 from kvmux.daemon.model import ensure_builtin
-from kvmux.kv import CohortPool, GrowthFailed, RowKvCache, ensure_capacity, resolve_hard_max
+from kvmux.kv import (
+    CohortPool,
+    GrowthFailed,
+    GrowthResult,
+    RowKvCache,
+    ensure_capacity,
+    resolve_hard_max,
+)
 
 from ..kv.fake_device import FakeDeviceStorage, FakeOutOfMemory
 from .helpers import decode, greedy, prompt_ids, record
@@ -292,3 +299,31 @@ def test_cuda_constrained_rows_beside_plain_ones_answer_valid_json(
         s.release()
     assert stops >= 1
     assert engine.budget.used == 0
+
+
+@pytest.mark.gpu
+def test_cuda_sessions_grown_together_match_one_big_buffer(
+    cuda_engines: tuple[Engine, Engine],
+) -> None:
+    """Equal prompts cross each bucket at one step and grow as one group on the device
+    (list-indexed copies, one mask write, one wait): the tokens of one big buffer each."""
+    grown, big = cuda_engines
+    prompts = [prompt_ids(grown, 3, seed=60 + i) for i in range(6)]
+    sessions = [grown.new_session(p, greedy(70), session_id=f"t{i}") for i, p in enumerate(prompts)]
+    groups: list[int] = []
+    while live := [s for s in sessions if not s.finished]:
+        by_bucket: dict[int, list[DecodeSession]] = {}
+        for s in live:
+            if s.needs_growth():
+                by_bucket.setdefault(s.growth_bucket(), []).append(s)
+        for group in by_bucket.values():
+            assert all(isinstance(r, GrowthResult) and r.grew for r in grow_together(group))
+            groups.append(len(group))
+        for out in grown.step_many(live):
+            assert not isinstance(out, Exception), out
+    assert max(groups) == len(sessions)
+    for s, p in zip(sessions, prompts, strict=True):
+        ref, _, _ = decode(big, big.new_session(p, greedy(70)))
+        assert list(s.generated) == ref, s.session_id
+        s.release()
+    assert grown.budget.used == 0 and grown.pool.cohorts() == []
