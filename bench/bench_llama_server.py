@@ -259,7 +259,9 @@ async def bench(args: argparse.Namespace, binary: Path) -> dict[str, Any]:
             for n in sizes:
                 walls: dict[str, list[float]] = {side: [] for side in urls}
                 texts: dict[str, list[list[str]]] = {side: [] for side in urls}
+                loads = []
                 for rep in range(args.repeats):
+                    loads.append(round(os.getloadavg()[0], 2))
                     order = list(urls) if rep % 2 == 0 else list(reversed(urls))
                     for side in order:
                         wall, counts, got = await completions(
@@ -271,7 +273,7 @@ async def bench(args: argparse.Namespace, binary: Path) -> dict[str, Any]:
                             )
                         walls[side].append(wall)
                         texts[side].append(got)
-                rows.append(row(n, n_new, walls, texts))
+                rows.append({**row(n, n_new, walls, texts), "loadavg_1min": loads})
                 print_row(rows[-1])
         finally:
             for client in clients.values():
@@ -319,6 +321,18 @@ def print_row(r: dict[str, Any]) -> None:
     )
 
 
+def wait_for_load(limit: float, timeout: float) -> None:
+    """Sleep until the 1-min load average is below ``limit``: llama.cpp's threads meet
+    at spinning barriers, so a core taken by another process costs it far more than it
+    costs onnxruntime, and a loaded machine measures that, not the two servers."""
+    deadline = time.monotonic() + timeout
+    while (load := os.getloadavg()[0]) >= limit:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the 1-min load average stayed at {load:.2f} >= {limit}")
+        print(f"waiting for the 1-min load average ({load:.2f}) to fall below {limit}", flush=True)
+        time.sleep(30)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.bench_llama_server", description=__doc__.splitlines()[0]
@@ -328,12 +342,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="1,16", help="concurrent requests")
     ap.add_argument("--new", type=int, default=128, help="new tokens per request")
+    ap.add_argument(
+        "--max-load",
+        type=float,
+        default=0.0,
+        help="first wait (up to 30 min) for the 1-min load average to fall below this",
+    )
     args = ap.parse_args(argv)
     binary = server_path(args.server)
     if binary is None:
         why = "no --server given" if not args.server else f"{args.server}: not an executable file"
         print(f"error: {why}\n{BUILD_HINT}", file=sys.stderr)
         return 2
+    if args.max_load > 0:
+        wait_for_load(args.max_load, 1800.0)
     print(f"SmolLM2-135M-Instruct, {args.threads} threads each side; greedy, prompt {PROMPT_LEN}")
     print(f"tokens, {args.new} new (ignore_eos); {args.repeats} repeats, interleaved")
     for side, what in PRECISION.items():
