@@ -322,9 +322,10 @@ def print_row(r: dict[str, Any]) -> None:
 
 
 def wait_for_load(limit: float, timeout: float) -> None:
-    """Sleep until the 1-min load average is below ``limit``: llama.cpp's threads meet
-    at spinning barriers, so a core taken by another process costs it far more than it
-    costs onnxruntime, and a loaded machine measures that, not the two servers."""
+    """Sleep until the 1-min load average is below ``limit``. llama.cpp's threads meet
+    at a barrier after every op of the graph, so a core taken by another process costs
+    it more than onnxruntime: two CPU hogs on 2 cores cut llama-server's N = 16 rate
+    10x here and kvmux's 3.4x, which measures the hogs, not the two servers."""
     deadline = time.monotonic() + timeout
     while (load := os.getloadavg()[0]) >= limit:
         if time.monotonic() > deadline:
