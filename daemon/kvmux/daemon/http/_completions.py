@@ -295,7 +295,12 @@ class EventStream(Response):
                     sending_since = time.monotonic()
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                     sending_since = None
+                # Watched too: uvicorn waits for the buffered pieces to drain before it
+                # writes the next, so a stream whose last pieces were merged into one
+                # (the items ended while its reader took nothing) blocks here, not above.
+                sending_since = time.monotonic()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+                sending_since = None
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
