@@ -178,14 +178,17 @@ class RaySetup:
         )
 
     @contextlib.contextmanager
-    def running(self, *argv: str) -> Iterator[subprocess.Popen[str]]:
-        """``argv`` as a process for the block, pipes captured; killed if it outlives it."""
+    def running(
+        self, *argv: str, env: dict[str, str] | None = None
+    ) -> Iterator[subprocess.Popen[str]]:
+        """``argv`` as a process for the block, pipes captured; killed if it outlives it.
+        ``env``: more variables for it (and the Ray it starts, and that Ray's daemons)."""
         proc = subprocess.Popen(
             list(argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=self.env(),
+            env={**self.env(), **(env or {})},
             stdin=subprocess.DEVNULL,
         )
         try:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from kvmux.daemon.config import toml_config
+from kvmux.kv import failpoints
 
 pytest.importorskip(
     "ray.data", reason="kvmux.ray needs the [ray] extra: pip install -e '.[cpu,test,ray]'"
@@ -131,7 +132,11 @@ def test_ctrl_c_then_resume_runs_only_the_missing_lines(
     replicas and their daemons, and leaves whole lines; --resume runs the rest."""
     src, want = reference
     out = tmp_path / "out.jsonl"
-    with ray_setup.running(*ray_setup.submit(src, out, "--replicas", "2")) as local:
+    # Results come back a Ray Data block at a time (over half the lines at once on an
+    # idle machine, the rest within a second): each decode step of this run's daemons
+    # sleeps 20 ms, so the signal lands while lines are still to come.
+    slow = {failpoints.SLOW_ENV: "engine.step=0.02"}
+    with ray_setup.running(*ray_setup.submit(src, out, "--replicas", "2"), env=slow) as local:
         _wait("some results", lambda: _lines(out) >= LINES // 10 or local.poll() is not None)
         assert local.poll() is None, local.communicate()
         local.send_signal(signal.SIGINT)
