@@ -134,8 +134,8 @@ def test_ctrl_c_then_resume_runs_only_the_missing_lines(
     out = tmp_path / "out.jsonl"
     # Results come back a Ray Data block at a time (over half the lines at once on an
     # idle machine, the rest within a second): each decode step of this run's daemons
-    # sleeps 20 ms, so the signal lands while lines are still to come.
-    slow = {failpoints.SLOW_ENV: "engine.step=0.02"}
+    # sleeps 2 ms, so the signal lands while lines are still to come.
+    slow = {failpoints.SLOW_ENV: "engine.step=0.002"}
     with ray_setup.running(*ray_setup.submit(src, out, "--replicas", "2"), env=slow) as local:
         _wait("some results", lambda: _lines(out) >= LINES // 10 or local.poll() is not None)
         assert local.poll() is None, local.communicate()
