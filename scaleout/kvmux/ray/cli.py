@@ -3,7 +3,10 @@ writes it.
 
 Exit status as ``kvmux``'s: 0 every line ok, 2 some lines failed, 1 nothing
 could run (bad command line or config, no Ray cluster at ``--address``, a
-replica that cannot start), 130 interrupted.
+replica that cannot start), 130 interrupted (Ctrl-C), 143 stopped by SIGTERM.
+Either signal stops the command as it stops ``kvmux``'s
+(:mod:`kvmux.client.cli.interrupt`): within 2 s, with every result received
+on disk for ``--resume``; a second one at once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from kvmux.client import protocol as p
+from kvmux.client.cli import interrupt
 from kvmux.client.cli.connect import COULD_NOT_RUN, INTERRUPTED, ITEMS_FAILED, OK, CliError
 from kvmux.client.cli.progress import Reporter, failure_label, make_reporter
 from kvmux.daemon.config import ConfigError
@@ -40,7 +44,8 @@ examples:
       --config /etc/kvmux/kvmuxd.toml --address auto
   kvmux-ray submit big.jsonl --out results.jsonl --replicas 2 --resume   # after an interrupted run
 
-exit status: 0 all ok, 2 some lines failed, 1 nothing could run, 130 interrupted
+exit status: 0 all ok, 2 some lines failed, 1 nothing could run, 130 interrupted,
+  143 stopped by SIGTERM
 """
 
 
@@ -123,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``kvmux-ray`` command; the return value is the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return submit(args)
+        return interrupt.run_blocking(lambda: submit(args))
     except CliError as exc:
         print(f"kvmux-ray: {exc}", file=sys.stderr)
         return COULD_NOT_RUN
@@ -148,8 +153,16 @@ def submit(args: argparse.Namespace) -> int:
         with make_reporter(quiet=args.quiet) as reporter:
             return _run(args, config, skip, reporter)
     finally:
-        if ray.is_initialized():
+        if not ray.is_initialized():
+            pass
+        elif interrupt.interrupted_status() is None:
             ray.shutdown()  # a local Ray ends here, and every replica and daemon with it
+        else:
+            # ray.shutdown stops a local Ray's raylet, and with it the replicas and their
+            # daemons, within a few tenths of a second; then it gives each of Ray's own
+            # processes a second to exit, which would break the promise. Those end with
+            # this process (Ray starts them with a parent-death signal).
+            interrupt.goodbye_blocking(ray.shutdown)
 
 
 def _run(
@@ -200,6 +213,9 @@ def _run(
                 replicas[row["node"]].add(row["replica"])
                 reporter.tokens(row["tokens"])
                 reporter.item(row["ok"], None if row["ok"] else _failure(row))
+            if interrupt.interrupted_status() is not None:
+                # The signal's own KeyboardInterrupt was lost on its way out of Ray Data.
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         outputs.close()
         reporter.stop()
@@ -261,6 +277,8 @@ def _start_ray(args: argparse.Namespace, config: ProcessorConfig) -> None:
             )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise CliError(f"cannot start or reach Ray ({args.address or 'local'}): {exc}") from None
+    # ray.init makes SIGTERM sys.exit(15), which unwinds through Ray's waits as it likes.
+    interrupt.reclaim_signals()
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the command draws its own
     ctx.print_on_execution_start = False

@@ -12,6 +12,12 @@ event loop kept busy by a flood of messages held a command for good. Here:
   watchdog thread ends it;
 - a second signal ends it at once, whatever is pending.
 
+A command with no event loop (``kvmux-ray submit``, which waits in Ray Data)
+runs under :func:`run_blocking`: there the first signal raises
+``KeyboardInterrupt`` in the main thread, the command also polls
+:func:`interrupted_status` between results (a library may swallow that
+exception), and the same watchdog ends it whatever it is waiting in.
+
 Every result line is one ``write(2)`` (files) or a flushed line (stdout), so
 what was received is on disk however the process ends. The exit status is
 128 + the signal's number, as shells report a process a signal ended:
@@ -27,9 +33,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from .._client import Client
 from ..errors import KvmuxError
@@ -43,6 +49,9 @@ GOODBYE_SECONDS = 0.75
 STOP_SECONDS = 1.5
 # ... and if flushing stdout blocks (a reader that stopped reading), this much later still.
 _LAST_RESORT_SECONDS = 0.3
+# A blocking command's goodbye stops this long before the watchdog is due, so that the
+# process ends on its own terms (its last note said, no "too slow").
+_EXIT_SECONDS = 0.25
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -72,7 +81,9 @@ class _Stop:
             timer.daemon = True
             timer.start()
         if self.task is None or self.loop is None:
-            raise KeyboardInterrupt  # the command has not started: nothing to say goodbye to
+            # A blocking command, or one not started yet: the exception ends whatever the
+            # main thread waits in (a lock, a sleep, a queue), and the timers bound the rest.
+            raise KeyboardInterrupt
         # From the loop's own thread, not from inside whatever the signal interrupted.
         self.loop.call_soon_threadsafe(self.task.cancel)
 
@@ -86,6 +97,22 @@ def goodbye_left() -> float:
     if _stop.signum is None:
         return GOODBYE_SECONDS
     return max(GOODBYE_SECONDS - (time.monotonic() - _stop.at), 0.0)
+
+
+def goodbye_blocking(last_word: Callable[[], object]) -> bool:
+    """An interrupted blocking command's last word (``ray.shutdown``), run on a thread of
+    its own for as long as the watchdog allows; True when it finished in time. What it
+    leaves undone ends with the process, which :func:`run_blocking` ends next."""
+
+    def say() -> None:
+        with contextlib.suppress(Exception):
+            last_word()
+
+    thread = threading.Thread(target=say, name="kvmux-goodbye", daemon=True)
+    thread.start()
+    since = 0.0 if _stop.signum is None else time.monotonic() - _stop.at
+    thread.join(max(STOP_SECONDS - _EXIT_SECONDS - since, 0.0))
+    return not thread.is_alive()
 
 
 def interrupted_status() -> int | None:
@@ -107,8 +134,7 @@ def run(command: Coroutine[Any, Any, int]) -> int:
         _stop.loop = asyncio.get_running_loop()
         return await command
 
-    previous = {signum: signal.signal(signum, _stop.handle) for signum in _SIGNALS}
-    try:
+    with _handled():
         try:
             # asyncio.Runner leaves SIGINT alone when someone else handles it.
             status = asyncio.run(main())
@@ -117,11 +143,57 @@ def run(command: Coroutine[Any, Any, int]) -> int:
                 raise
             print("kvmux: interrupted", file=sys.stderr, flush=True)
             status = status_for(_stop.signum)
+    interrupted = interrupted_status()
+    return status if interrupted is None else interrupted
+
+
+def run_blocking(command: Callable[[], int]) -> int:
+    """Run ``command``, a command with no event loop, with the signal handling above; its
+    exit status.
+
+    The handlers go in whatever the process inherited: Python keeps SIGINT ignored when
+    its parent ignored it (a command run as a background job of a non-interactive shell,
+    as CI runs a suite), and then no ``KeyboardInterrupt`` ever comes by default.
+
+    The first signal raises ``KeyboardInterrupt`` in the main thread. A command that
+    waits inside a library which may swallow it (a ``finally`` that waits, an ``except
+    BaseException``) also checks :func:`interrupted_status` between results; whatever it
+    does, the watchdog ends the process :data:`STOP_SECONDS` after the signal. A library
+    that installs its own handler while the command runs (``ray.init`` does, for
+    SIGTERM) is overruled with :func:`reclaim_signals`.
+
+    An interrupted command ends the process here, without the interpreter's exit
+    handlers: a library's (``ray.shutdown``, which waits for its processes to go) would
+    outlast the budget, and what they would clean up ends with this process anyway."""
+
+    global _stop
+    _stop = _Stop()
+    with _handled():
+        try:
+            status = command()
+        except KeyboardInterrupt:
+            if _stop.signum is None:
+                raise
+        if _stop.signum is not None:
+            _exit_now(status_for(_stop.signum), "interrupted")
+    return status
+
+
+def reclaim_signals() -> None:
+    """SIGINT and SIGTERM to the running command's handling again, after a library put
+    in a handler of its own (``ray.init`` makes SIGTERM ``sys.exit(15)``)."""
+    for signum in _SIGNALS:
+        signal.signal(signum, _stop.handle)
+
+
+@contextlib.contextmanager
+def _handled() -> Iterator[None]:
+    previous = {signum: signal.signal(signum, _stop.handle) for signum in _SIGNALS}
+    try:
+        yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    interrupted = interrupted_status()
-    return status if interrupted is None else interrupted
 
 
 async def goodbye(client: Client, last_word: Awaitable[object]) -> bool:
@@ -138,7 +210,7 @@ async def goodbye(client: Client, last_word: Awaitable[object]) -> bool:
     return confirmed
 
 
-def _exit_now(status: int, why: str, flush: bool = True) -> None:
+def _exit_now(status: int, why: str, flush: bool = True) -> NoReturn:
     """End the process now. Result files need nothing: each line went out in one write."""
     if flush:
         for stream in (sys.stdout, sys.stderr):
