@@ -45,7 +45,7 @@ from .batching import plan, split_failed
 from .errors import BadPrompt, RunFailed
 from .runner import DecodeSpan, ModelRunner, RowInput
 from .runtime import OrtSession, create_session
-from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
+from .sampling import ResolvedSampling, Sampler, SamplingParams, draw_many, resolve_sampling
 from .session import Completion, DecodeSession, StepOutput
 from .structured import GrammarCompiler, allocate_bitmask
 
@@ -499,6 +499,12 @@ class Engine:
         # GIL) while the run goes on, and applied to their logits in one operation.
         grammars = [sessions[j].grammar for j in host]
         constrained = [h for h, g in enumerate(grammars) if g is not None]
+        samplers = [sessions[j].sampler for j in host]
+        # The host rows whose tokens are drawn together: a constrained row only from its
+        # masked logits (when the fill failed it draws alone, masking its own row), and
+        # only a sampler of this module's (a test's wrapper sees each of its rows' draws).
+        together = [h for h, s in enumerate(samplers) if type(s) is Sampler]
+        unmasked = [h for h in together if grammars[h] is None]
         bitmask = None
         if constrained:
             bitmask = allocate_bitmask(len(host), self.structured.words)
@@ -525,10 +531,13 @@ class Engine:
                 if bitmask is not None and masked:
                     span.mask_host_rows(constrained, bitmask[constrained])
                 host_logits = span.host_logits()
+                drawn = _draw_together(
+                    samplers, host_logits, together if masked or not constrained else unmasked
+                )
                 for h, (j, logits) in enumerate(zip(host, host_logits, strict=True)):
                     session = sessions[j]
                     try:
-                        session.took(1, logits, acc[index[j]], masked=masked)
+                        session.took(1, logits, acc[index[j]], masked=masked, drawn=drawn[h])
                     except Exception as exc:  # noqa: BLE001 - that item fails alone
                         errors[index[j]] = exc
                         stop = True
@@ -679,3 +688,23 @@ def _one_span_per_bucket(places: Sequence[Placement]) -> bool:
             return False
         spans[p.capacity] = (group, min(lo, p.row), max(hi, p.row), n + 1)
     return all(hi - lo + 1 == n for _, lo, hi, n in spans.values())
+
+
+def _draw_together(
+    samplers: Sequence[Any], logits: np.ndarray[Any, Any], rows: Sequence[int]
+) -> list[int | None]:
+    """The tokens of the host rows ``rows`` (indices into ``samplers``, one per row of
+    ``logits``) drawn in one :func:`draw_many`; None for every other row, which draws
+    alone when its session takes its logits."""
+    drawn: list[int | None] = [None] * len(samplers)
+    if not rows:
+        return drawn
+    block = logits if len(rows) == len(samplers) else logits[rows]
+    try:
+        tokens = draw_many([samplers[h] for h in rows], block).tolist()
+    except Exception:  # noqa: BLE001 - no generator has moved: each row draws alone
+        # and so a row whose draw fails fails alone, as it would have.
+        return drawn
+    for h, token in zip(rows, tokens, strict=True):
+        drawn[h] = token
+    return drawn

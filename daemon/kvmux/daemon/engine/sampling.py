@@ -233,7 +233,13 @@ class Sampler:
     def __call__(self, logits: npt.NDArray[np.floating]) -> int:
         if self.plain:
             return self._draw(logits)
-        token = self._draw(self._shaped(logits))
+        return self.record(self._draw(self._shaped(logits)))
+
+    def record(self, token: int) -> int:
+        """Count ``token`` as drawn (the penalties and min_tokens see it from the next
+        draw on); :func:`draw_many` leaves this to whoever takes its tokens."""
+        if self.plain:
+            return token
         self._drawn += 1
         if self._penalized:
             assert self._counts is not None and self._seen is not None
@@ -279,6 +285,14 @@ class Sampler:
     def _draw(self, logits: npt.NDArray[np.floating]) -> int:
         if self.cfg.greedy:
             return int(logits.argmax())
+        cdf = self._cdf(logits)
+        return int(
+            min(np.searchsorted(cdf, self._random() * cdf[-1], side="right"), cdf.shape[0] - 1)
+        )
+
+    def _cdf(self, logits: npt.NDArray[np.floating]) -> npt.NDArray[np.float64]:
+        """The cumulative distribution a draw from ``logits`` searches: temperature, top-k,
+        min-p and top-p applied (not normalized: the draw scales by its last value)."""
         x = logits.astype(np.float64) / self.cfg.temperature
         k = self.cfg.top_k
         if 0 < k < x.shape[0]:
@@ -300,7 +314,86 @@ class Sampler:
             mask[order[:keep]] = True
             probs = np.where(mask, probs, 0.0)
             probs /= probs.sum()
-        cdf = np.cumsum(probs)
-        return int(
-            min(np.searchsorted(cdf, self._random() * cdf[-1], side="right"), probs.shape[0] - 1)
-        )
+        return np.cumsum(probs)
+
+
+def draw_many(
+    samplers: Sequence[Sampler], logits: npt.NDArray[np.floating]
+) -> npt.NDArray[np.int64]:
+    """Row ``i``'s token drawn from ``logits[i]`` (``[rows, vocab]``) by ``samplers[i]``:
+    exactly the token ``samplers[i](logits[i])`` gives, whatever the other rows are, in a
+    fixed number of array operations over the block (plus one per row that penalties or
+    min_tokens shape). The tokens are not recorded: :meth:`Sampler.record` each one
+    where it is accepted.
+
+    Each sampling row's generator gives one number per draw, as alone, and only after
+    everything that could raise: a caller that falls back to drawing row by row after
+    an error draws the same tokens.
+    """
+    n, vocab = logits.shape
+    x = np.array(logits, dtype=np.float64, order="C")
+    for i, sampler in enumerate(samplers):
+        if not sampler.plain:
+            x[i] = sampler._shaped(logits[i])
+    tokens = np.empty(n, dtype=np.int64)
+    greedy = np.fromiter((s.cfg.greedy for s in samplers), np.bool_, n)
+    sampled = np.flatnonzero(~greedy)
+    if len(sampled) < n:
+        tokens[greedy] = x[greedy].argmax(axis=1)
+    if not len(sampled):
+        return tokens
+    drawers = [samplers[i] for i in sampled.tolist()]
+    cdf = cdf_many([s.cfg for s in drawers], x if len(sampled) == n else x[sampled])
+    u = np.fromiter((s._random() for s in drawers), np.float64, len(drawers))
+    # searchsorted's place in a sorted row is the count of what lies at or below it;
+    # a NaN row (a NaN or +inf logit, or none allowed) is NaN throughout, which
+    # searchsorted puts past the end.
+    picked = np.minimum((cdf <= (u * cdf[:, -1])[:, None]).sum(axis=1), vocab - 1)
+    picked[np.isnan(cdf[:, -1])] = vocab - 1
+    tokens[sampled] = picked
+    return tokens
+
+
+def cdf_many(
+    cfgs: Sequence[ResolvedSampling], x: npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]:
+    """Row ``i`` of the float64 logits ``x`` (C-contiguous; overwritten) to the
+    cumulative distribution ``Sampler(cfgs[i])._cdf(x[i])`` gives, bit for bit, in a
+    fixed number of array operations (a few more per distinct top-k, and one set per
+    step that some rows take, min-p or top-p, for those rows together).
+
+    Bit for bit because each operation is as alone: elementwise ones are, a row's max,
+    argmax, partition value and stable order do not depend on rounding, cumulative
+    sums along a row add in the row's order, and NumPy sums each row of a C-contiguous
+    block as it sums that row alone (pairwise, by the same blocks; tested)."""
+    rows_n, vocab = x.shape
+    x /= np.fromiter((c.temperature for c in cfgs), np.float64, rows_n)[:, None]
+    ks = np.fromiter((c.top_k for c in cfgs), np.int64, rows_n)
+    for k in np.unique(ks[(ks > 0) & (ks < vocab)]).tolist():
+        rows = np.flatnonzero(ks == k)
+        sub = x[rows]
+        kth = np.partition(sub, -k, axis=1)[:, -k]
+        x[rows] = np.where(sub < kth[:, None], -np.inf, sub)
+    x -= x.max(axis=1, keepdims=True)
+    probs = np.exp(x, out=x)
+    probs /= probs.sum(axis=1, keepdims=True)
+    min_p = np.fromiter((c.min_p for c in cfgs), np.float64, rows_n)
+    rows = np.flatnonzero(min_p > 0.0)
+    if len(rows):
+        sub = probs[rows]
+        sub = np.where(sub < (min_p[rows] * sub.max(axis=1))[:, None], 0.0, sub)
+        sub /= sub.sum(axis=1, keepdims=True)
+        probs[rows] = sub
+    top_p = np.fromiter((c.top_p for c in cfgs), np.float64, rows_n)
+    rows = np.flatnonzero(top_p < 1.0)
+    if len(rows):
+        sub = probs[rows]
+        order = np.argsort(-sub, axis=1, kind="stable")
+        cum = np.cumsum(np.take_along_axis(sub, order, axis=1), axis=1)
+        keep = (cum < top_p[rows][:, None]).sum(axis=1) + 1  # searchsorted, side left
+        mask = np.empty(sub.shape, dtype=np.bool_)
+        np.put_along_axis(mask, order, np.arange(vocab) < keep[:, None], axis=1)
+        sub = np.where(mask, sub, 0.0)
+        sub /= sub.sum(axis=1, keepdims=True)
+        probs[rows] = sub
+    return np.cumsum(probs, axis=1)
