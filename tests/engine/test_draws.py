@@ -11,7 +11,7 @@ import pytest
 
 import kvmux.daemon.engine.engine as engine_module
 from kvmux.daemon.engine import Engine, ResolvedSampling, Sampler, SamplingParams
-from kvmux.daemon.engine.sampling import cdf_many, draw_many
+from kvmux.daemon.engine.sampling import CHUNK_VALUES, Draws, cdf_many, draw_many
 from kvmux.daemon.engine.structured import StructuredSpec
 
 from .helpers import prompt_ids, record
@@ -137,6 +137,26 @@ def test_rows_that_are_not_finite_draw_as_alone() -> None:
     assert expected[0] == expected[2] == expected[3] == 299
 
 
+@pytest.mark.parametrize(("vocab", "chunks"), [(259, 1), (4099, 3)])
+def test_one_plan_of_draws_serves_every_step_of_its_rows(vocab: int, chunks: int) -> None:
+    """A span plans its rows' draws once (Draws) and draws from it every step; a wide
+    vocabulary is drawn some rows at a time (CHUNK_VALUES), a narrow one at once."""
+    cfgs = configs()
+    alone = [Sampler(c, [4, 4, 8], EOS) for c in cfgs]
+    planned = [Sampler(c, [4, 4, 8], EOS) for c in cfgs]
+    draws = Draws(planned)
+    rng = np.random.default_rng(vocab)
+    for step in range(20):
+        logits = step_logits(rng, len(cfgs), vocab)
+        expected = [a(row) for a, row in zip(alone, logits, strict=True)]
+        got = draws(logits).tolist()
+        for p, token in zip(planned, got, strict=True):
+            p.record(token)
+        assert got == expected, step
+    sampled = sum(not c.greedy for c in cfgs)
+    assert len(draws._chunks) == chunks == -(-sampled // max(1, CHUNK_VALUES // vocab))
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 127, 128, 129, 259, 1000, 4099, 32_000])
 def test_a_blocks_row_sums_equal_each_row_summed_alone(vocab: int) -> None:
     """What draw_many rests on: NumPy sums each row of a C-contiguous float64 block along
@@ -208,11 +228,12 @@ def test_a_wave_drawn_together_decodes_what_each_row_draws_alone(
     items = wave(engine)
     drawn: list[int] = []
 
-    def counted(samplers: Any, logits: Any) -> Any:
-        drawn.append(len(samplers))
-        return draw_many(samplers, logits)
+    class Counted(Draws):
+        def __call__(self, logits: Any) -> Any:
+            drawn.append(len(self.samplers))
+            return super().__call__(logits)
 
-    monkeypatch.setattr(engine_module, "draw_many", counted)
+    monkeypatch.setattr(engine_module, "Draws", Counted)
     reference = drive(engine, items, alone=True)
     assert drawn == []
     together = drive(engine, items, alone=False)
