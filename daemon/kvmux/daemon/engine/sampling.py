@@ -403,9 +403,13 @@ class SampledRows:
     def __init__(self, cfgs: Sequence[ResolvedSampling], vocab: int) -> None:
         n = len(cfgs)
         self.n = n
-        self._temperature = np.array([c.temperature for c in cfgs], dtype=np.float64)[:, None]
+        temperature = np.array([c.temperature for c in cfgs], dtype=np.float64)
+        # One temperature for all (the common case) divides by a scalar: the same
+        # quotients, by a faster loop than a broadcast column.
+        same = bool((temperature == temperature[0]).all())
+        self._temperature = float(temperature[0]) if same else temperature[:, None]
         ks = np.array([c.top_k if 0 < c.top_k < vocab else 0 for c in cfgs], dtype=np.int64)
-        self._top_k = [(k, _rows(ks == k)) for k in sorted(set(ks.tolist()) - {0})]
+        self._top_k = [(k, ks == k) for k in sorted(set(ks.tolist()) - {0})]
         min_p = np.array([c.min_p for c in cfgs], dtype=np.float64)
         self._min_p = _rows(min_p > 0.0), min_p[min_p > 0.0][:, None]
         top_p = np.array([c.top_p for c in cfgs], dtype=np.float64)
@@ -413,25 +417,46 @@ class SampledRows:
         self._ranks = np.arange(vocab)[None, :]
 
     def cdf(
-        self, x: npt.NDArray[np.float64], out: npt.NDArray[np.float64] | None = None
+        self, logits: npt.NDArray[np.float64], out: npt.NDArray[np.float64] | None = None
     ) -> npt.NDArray[np.float64]:
-        """``x``: these rows' float64 logits, C-contiguous, overwritten."""
-        x /= self._temperature
-        for k, rows in self._top_k:
-            sub = x if rows is None else x[rows]
-            kth = np.partition(sub, -k, axis=1)[:, -k, None]
-            np.copyto(sub, -np.inf, where=sub < kth)
-            if rows is not None:
-                x[rows] = sub
+        """From these rows' float64 ``logits`` (left as they are)."""
+        x = np.ascontiguousarray(logits / self._temperature)
+        if self._top_k:
+            # A row with at most k ids above -inf (a grammar's masked row, mostly) keeps
+            # them all: its k-th largest is -inf, below which nothing lies. Selecting in
+            # a row of mostly equal values is what costs; those rows skip it.
+            above = (x > -np.inf).sum(axis=1)
+        for k, takes in self._top_k:
+            cut = takes & (above > k)
+            if cut.all():
+                kth = np.partition(x, -k, axis=1)[:, -k, None]
+                x = np.where(x < kth, -np.inf, x)
+            elif cut.any():
+                which = np.flatnonzero(cut)
+                sub = x[which]
+                kth = np.partition(sub, -k, axis=1)[:, -k, None]
+                x[which] = np.where(sub < kth, -np.inf, sub)
         x -= x.max(axis=1, keepdims=True)
-        probs = np.exp(x, out=x)
+        flat = x.reshape(-1)  # a view: x is C-contiguous
+        live = np.flatnonzero(flat != -np.inf)
+        if 2 * len(live) < flat.size:
+            # Top-k and grammars leave most ids at -inf, whose exp (0) takes libm a slow
+            # path: only the others are computed, each as it would be in place.
+            values = np.exp(flat[live])
+            flat.fill(0.0)
+            flat[live] = values
+            probs = x
+        else:
+            probs = np.exp(x, out=x)
         probs /= probs.sum(axis=1, keepdims=True)
         rows, min_p = self._min_p
         if len(min_p):
             sub = probs if rows is None else probs[rows]
-            np.copyto(sub, 0.0, where=sub < min_p * sub.max(axis=1, keepdims=True))
+            sub = np.where(sub < min_p * sub.max(axis=1, keepdims=True), 0.0, sub)
             sub /= sub.sum(axis=1, keepdims=True)
-            if rows is not None:
+            if rows is None:
+                probs = sub
+            else:
                 probs[rows] = sub
         rows, top_p = self._top_p
         if len(top_p):
@@ -441,9 +466,11 @@ class SampledRows:
             keep = (cum < top_p).sum(axis=1, keepdims=True) + 1  # searchsorted
             mask = np.empty(sub.shape, dtype=np.bool_)
             np.put_along_axis(mask, order, self._ranks < keep, axis=1)
-            np.copyto(sub, 0.0, where=~mask)
+            sub = np.where(mask, sub, 0.0)
             sub /= sub.sum(axis=1, keepdims=True)
-            if rows is not None:
+            if rows is None:
+                probs = sub
+            else:
                 probs[rows] = sub
         return np.cumsum(probs, axis=1, out=out)
 
@@ -456,7 +483,6 @@ def _rows(takes: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64] | None:
 def cdf_many(
     cfgs: Sequence[ResolvedSampling], x: npt.NDArray[np.float64]
 ) -> npt.NDArray[np.float64]:
-    """Row ``i`` of the float64 logits ``x`` (C-contiguous; overwritten) to the cumulative
-    distribution ``Sampler(cfgs[i])._cdf(x[i])`` gives, bit for bit (see
-    :class:`SampledRows`)."""
+    """Row ``i`` of the float64 logits ``x`` to the cumulative distribution
+    ``Sampler(cfgs[i])._cdf(x[i])`` gives, bit for bit (see :class:`SampledRows`)."""
     return SampledRows(cfgs, x.shape[1]).cdf(x)
