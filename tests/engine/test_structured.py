@@ -187,6 +187,10 @@ def test_apply_bitmask_masks_only_the_constrained_rows() -> None:
     every = before.copy()
     apply_bitmask(every[:2], masks)
     assert set(np.flatnonzero(np.isfinite(every[0])).tolist()) == want[0]
+    # A mask narrower than the logits (96 bits, 100 ids) allows none past its end.
+    wide = rng.standard_normal((1, 100)).astype(np.float32)
+    apply_bitmask(wide, np.full((1, 3), -1, dtype=np.int32))
+    assert np.isfinite(wide[0, :96]).all() and np.isneginf(wide[0, 96:]).all()
 
 
 @pytest.mark.gpu

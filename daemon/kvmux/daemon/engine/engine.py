@@ -45,7 +45,7 @@ from .batching import plan, split_failed
 from .errors import BadPrompt, RunFailed
 from .runner import DecodeSpan, ModelRunner, RowInput
 from .runtime import OrtSession, create_session
-from .sampling import ResolvedSampling, SamplingParams, resolve_sampling
+from .sampling import Draws, ResolvedSampling, Sampler, SamplingParams, resolve_sampling
 from .session import Completion, DecodeSession, StepOutput
 from .structured import GrammarCompiler, allocate_bitmask
 
@@ -499,6 +499,12 @@ class Engine:
         # GIL) while the run goes on, and applied to their logits in one operation.
         grammars = [sessions[j].grammar for j in host]
         constrained = [h for h, g in enumerate(grammars) if g is not None]
+        samplers = [sessions[j].sampler for j in host]
+        # The host rows whose tokens are drawn together: a constrained row only from its
+        # masked logits (when the fill failed it draws alone, masking its own row), and
+        # only a sampler of this module's (a test's wrapper sees each of its rows' draws).
+        together = _Together(samplers, [h for h, s in enumerate(samplers) if type(s) is Sampler])
+        unmasked: _Together | None = None
         bitmask = None
         if constrained:
             bitmask = allocate_bitmask(len(host), self.structured.words)
@@ -525,10 +531,15 @@ class Engine:
                 if bitmask is not None and masked:
                     span.mask_host_rows(constrained, bitmask[constrained])
                 host_logits = span.host_logits()
+                if masked or not constrained:
+                    drawn = together(host_logits)
+                else:
+                    unmasked = unmasked or together.without(constrained)
+                    drawn = unmasked(host_logits)
                 for h, (j, logits) in enumerate(zip(host, host_logits, strict=True)):
                     session = sessions[j]
                     try:
-                        session.took(1, logits, acc[index[j]], masked=masked)
+                        session.took(1, logits, acc[index[j]], masked=masked, drawn=drawn[h])
                     except Exception as exc:  # noqa: BLE001 - that item fails alone
                         errors[index[j]] = exc
                         stop = True
@@ -679,3 +690,33 @@ def _one_span_per_bucket(places: Sequence[Placement]) -> bool:
             return False
         spans[p.capacity] = (group, min(lo, p.row), max(hi, p.row), n + 1)
     return all(hi - lo + 1 == n for _, lo, hi, n in spans.values())
+
+
+class _Together:
+    """The host rows ``rows`` (indices into a span's host rows and their ``samplers``)
+    whose tokens are drawn together (one :class:`Draws` a step); every other row
+    draws alone when its session takes its logits."""
+
+    def __init__(self, samplers: Sequence[Any], rows: Sequence[int]) -> None:
+        self.samplers = samplers
+        self.rows = list(rows)
+        self._all = len(self.rows) == len(samplers)
+        self._draws = Draws([samplers[h] for h in self.rows]) if self.rows else None
+
+    def without(self, rows: Sequence[int]) -> _Together:
+        drop = set(rows)
+        return _Together(self.samplers, [h for h in self.rows if h not in drop])
+
+    def __call__(self, logits: np.ndarray[Any, Any]) -> list[int | None]:
+        """Each host row's token (None: it draws alone), from the host rows' ``logits``."""
+        drawn: list[int | None] = [None] * len(self.samplers)
+        if self._draws is None:
+            return drawn
+        try:
+            tokens = self._draws(logits if self._all else logits[self.rows]).tolist()
+        except Exception:  # noqa: BLE001 - no generator has moved: each row draws alone,
+            # and so a row whose draw fails fails alone, as it would have.
+            return drawn
+        for h, token in zip(self.rows, tokens, strict=True):
+            drawn[h] = token
+        return drawn

@@ -233,7 +233,13 @@ class Sampler:
     def __call__(self, logits: npt.NDArray[np.floating]) -> int:
         if self.plain:
             return self._draw(logits)
-        token = self._draw(self._shaped(logits))
+        return self.record(self._draw(self._shaped(logits)))
+
+    def record(self, token: int) -> int:
+        """Count ``token`` as drawn (the penalties and min_tokens see it from the next
+        draw on); :func:`draw_many` leaves this to whoever takes its tokens."""
+        if self.plain:
+            return token
         self._drawn += 1
         if self._penalized:
             assert self._counts is not None and self._seen is not None
@@ -279,6 +285,14 @@ class Sampler:
     def _draw(self, logits: npt.NDArray[np.floating]) -> int:
         if self.cfg.greedy:
             return int(logits.argmax())
+        cdf = self._cdf(logits)
+        return int(
+            min(np.searchsorted(cdf, self._random() * cdf[-1], side="right"), cdf.shape[0] - 1)
+        )
+
+    def _cdf(self, logits: npt.NDArray[np.floating]) -> npt.NDArray[np.float64]:
+        """The cumulative distribution a draw from ``logits`` searches: temperature, top-k,
+        min-p and top-p applied (not normalized: the draw scales by its last value)."""
         x = logits.astype(np.float64) / self.cfg.temperature
         k = self.cfg.top_k
         if 0 < k < x.shape[0]:
@@ -300,7 +314,175 @@ class Sampler:
             mask[order[:keep]] = True
             probs = np.where(mask, probs, 0.0)
             probs /= probs.sum()
-        cdf = np.cumsum(probs)
-        return int(
-            min(np.searchsorted(cdf, self._random() * cdf[-1], side="right"), probs.shape[0] - 1)
-        )
+        return np.cumsum(probs)
+
+
+CHUNK_VALUES = 1 << 16
+"""Logits a block's arithmetic works on at once (512 KiB of float64, a core's L2): a
+wide vocabulary is drawn some rows at a time, or every pass over the block would
+leave the cache (slower than row by row, with ``small``'s 4,096 ids)."""
+
+
+class Draws:
+    """The tokens of a fixed list of rows (a span's host rows), each by its own sampler,
+    drawn from one ``[rows, vocab]`` block of logits in a fixed number of array
+    operations per step (plus one per row that penalties or min_tokens shape): exactly
+    the token ``samplers[i](logits[i])`` gives, whatever the other rows are. The rows'
+    parameters are gathered once, here, not at every step.
+
+    The tokens are not recorded: :meth:`Sampler.record` each one where it is accepted.
+    Each sampling row's generator gives one number per draw, as alone, and only after
+    all the arithmetic: a caller that falls back to drawing row by row after an error
+    draws the same tokens.
+    """
+
+    def __init__(self, samplers: Sequence[Sampler]) -> None:
+        self.samplers = list(samplers)
+        self._shaping = [(i, s) for i, s in enumerate(self.samplers) if not s.plain]
+        greedy = [i for i, s in enumerate(self.samplers) if s.cfg.greedy]
+        sampled = [i for i, s in enumerate(self.samplers) if not s.cfg.greedy]
+        self._greedy = np.asarray(greedy, dtype=np.int64)
+        self._sampled = np.asarray(sampled, dtype=np.int64)
+        self._drawers = [self.samplers[i] for i in sampled]
+        self._chunks: list[tuple[int, int, SampledRows]] = []
+        self._vocab = -1
+
+    def __call__(self, logits: npt.NDArray[np.floating]) -> npt.NDArray[np.int64]:
+        n, vocab = logits.shape
+        if n != len(self.samplers):
+            raise ValueError(f"{n} rows of logits for {len(self.samplers)} samplers")
+        x = np.array(logits, dtype=np.float64, order="C")
+        for i, sampler in self._shaping:
+            x[i] = sampler._shaped(logits[i])
+        tokens = np.empty(n, dtype=np.int64)
+        if len(self._greedy):
+            tokens[self._greedy] = x[self._greedy].argmax(axis=1)
+        drawers = self._drawers
+        if not drawers:
+            return tokens
+        if vocab != self._vocab:
+            step = max(1, CHUNK_VALUES // vocab)
+            cfgs = [s.cfg for s in drawers]
+            self._chunks = [
+                (a, min(a + step, len(cfgs)), SampledRows(cfgs[a : a + step], vocab))
+                for a in range(0, len(cfgs), step)
+            ]
+            self._vocab = vocab
+        xs = x if len(drawers) == n else x[self._sampled]
+        cdf = np.empty_like(xs)
+        for a, b, rows in self._chunks:
+            rows.cdf(xs[a:b], out=cdf[a:b])
+        u = np.fromiter((s._random() for s in drawers), np.float64, len(drawers))
+        # searchsorted's place in a sorted row is the count of what lies at or below it;
+        # a NaN row (a NaN or +inf logit, or none allowed) is NaN throughout, which
+        # searchsorted puts past the end.
+        picked = np.minimum((cdf <= (u * cdf[:, -1])[:, None]).sum(axis=1), vocab - 1)
+        picked[np.isnan(cdf[:, -1])] = vocab - 1
+        tokens[self._sampled] = picked
+        return tokens
+
+
+def draw_many(
+    samplers: Sequence[Sampler], logits: npt.NDArray[np.floating]
+) -> npt.NDArray[np.int64]:
+    """Row ``i``'s token drawn from ``logits[i]`` by ``samplers[i]`` (see :class:`Draws`)."""
+    return Draws(samplers)(logits)
+
+
+class SampledRows:
+    """The parameters of some sampling rows as columns, to turn their logits into the
+    cumulative distributions their draws search, all rows at once: row ``i`` bit for
+    bit what ``Sampler(cfgs[i])._cdf`` gives for it alone.
+
+    Bit for bit because each operation is as alone: elementwise ones are, a row's max,
+    partition value and stable order do not depend on rounding, cumulative sums along
+    a row add in the row's order, and NumPy sums each row of a C-contiguous block as it
+    sums that row alone (pairwise, by the same blocks; tested). Top-k, min-p and top-p
+    work on the rows that take them (all of them at once when all do)."""
+
+    def __init__(self, cfgs: Sequence[ResolvedSampling], vocab: int) -> None:
+        n = len(cfgs)
+        self.n = n
+        temperature = np.array([c.temperature for c in cfgs], dtype=np.float64)
+        # One temperature for all (the common case) divides by a scalar: the same
+        # quotients, by a faster loop than a broadcast column.
+        same = bool((temperature == temperature[0]).all())
+        self._temperature = float(temperature[0]) if same else temperature[:, None]
+        ks = np.array([c.top_k if 0 < c.top_k < vocab else 0 for c in cfgs], dtype=np.int64)
+        self._top_k = [(k, ks == k) for k in sorted(set(ks.tolist()) - {0})]
+        min_p = np.array([c.min_p for c in cfgs], dtype=np.float64)
+        self._min_p = _rows(min_p > 0.0), min_p[min_p > 0.0][:, None]
+        top_p = np.array([c.top_p for c in cfgs], dtype=np.float64)
+        self._top_p = _rows(top_p < 1.0), top_p[top_p < 1.0][:, None]
+        self._ranks = np.arange(vocab)[None, :]
+
+    def cdf(
+        self, logits: npt.NDArray[np.float64], out: npt.NDArray[np.float64] | None = None
+    ) -> npt.NDArray[np.float64]:
+        """From these rows' float64 ``logits`` (left as they are)."""
+        x = np.ascontiguousarray(logits / self._temperature)
+        if self._top_k:
+            # A row with at most k ids above -inf (a grammar's masked row, mostly) keeps
+            # them all: its k-th largest is -inf, below which nothing lies. Selecting in
+            # a row of mostly equal values is what costs; those rows skip it.
+            above = (x > -np.inf).sum(axis=1)
+        for k, takes in self._top_k:
+            cut = takes & (above > k)
+            if cut.all():
+                kth = np.partition(x, -k, axis=1)[:, -k, None]
+                x = np.where(x < kth, -np.inf, x)
+            elif cut.any():
+                which = np.flatnonzero(cut)
+                sub = x[which]
+                kth = np.partition(sub, -k, axis=1)[:, -k, None]
+                x[which] = np.where(sub < kth, -np.inf, sub)
+        x -= x.max(axis=1, keepdims=True)
+        flat = x.reshape(-1)  # a view: x is C-contiguous
+        live = np.flatnonzero(flat != -np.inf)
+        if 2 * len(live) < flat.size:
+            # Top-k and grammars leave most ids at -inf, whose exp (0) takes libm a slow
+            # path: only the others are computed, each as it would be in place.
+            values = np.exp(flat[live])
+            flat.fill(0.0)
+            flat[live] = values
+            probs = x
+        else:
+            probs = np.exp(x, out=x)
+        probs /= probs.sum(axis=1, keepdims=True)
+        rows, min_p = self._min_p
+        if len(min_p):
+            sub = probs if rows is None else probs[rows]
+            sub = np.where(sub < min_p * sub.max(axis=1, keepdims=True), 0.0, sub)
+            sub /= sub.sum(axis=1, keepdims=True)
+            if rows is None:
+                probs = sub
+            else:
+                probs[rows] = sub
+        rows, top_p = self._top_p
+        if len(top_p):
+            sub = probs if rows is None else probs[rows]
+            order = np.argsort(-sub, axis=1, kind="stable")
+            cum = np.cumsum(np.take_along_axis(sub, order, axis=1), axis=1)
+            keep = (cum < top_p).sum(axis=1, keepdims=True) + 1  # searchsorted
+            mask = np.empty(sub.shape, dtype=np.bool_)
+            np.put_along_axis(mask, order, self._ranks < keep, axis=1)
+            sub = np.where(mask, sub, 0.0)
+            sub /= sub.sum(axis=1, keepdims=True)
+            if rows is None:
+                probs = sub
+            else:
+                probs[rows] = sub
+        return np.cumsum(probs, axis=1, out=out)
+
+
+def _rows(takes: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64] | None:
+    """The rows that take a step; None when all do (it works on the block in place)."""
+    return None if takes.all() else np.flatnonzero(takes)
+
+
+def cdf_many(
+    cfgs: Sequence[ResolvedSampling], x: npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]:
+    """Row ``i`` of the float64 logits ``x`` to the cumulative distribution
+    ``Sampler(cfgs[i])._cdf(x[i])`` gives, bit for bit (see :class:`SampledRows`)."""
+    return SampledRows(cfgs, x.shape[1]).cdf(x)

@@ -336,12 +336,17 @@ class DecodeSession:
         pick: int | None = None,
         *,
         masked: bool = False,
+        drawn: int | None = None,
     ) -> None:
         """A run fed the ``n`` tokens of :meth:`feed`; ``logits`` are its last position's.
         What the step produced goes into ``into``. ``pick`` is the logits' argmax when
         the caller took it for a whole run at once; only a :attr:`picks_argmax`
         session uses it. ``masked``: its grammar's mask is applied to ``logits``
-        already (the engine fills the masks of a step's rows beside its run)."""
+        already (the engine fills the masks of a step's rows beside its run).
+        ``drawn``: the token its :attr:`sampler` drew from these ``logits`` (masked
+        ones where it has a grammar) when the caller drew a step's rows together
+        (:func:`~kvmux.daemon.engine.sampling.draw_many`); it is accepted here as a
+        token drawn here would be."""
         if self._prompt_pos < len(self.prompt_ids):
             self._prompt_pos += n
             if self._prompt_pos < len(self.prompt_ids):
@@ -351,16 +356,21 @@ class DecodeSession:
             self._accept(pick, None, into)
             return
         if self.grammar is not None:
-            self._took_constrained(self.grammar, logits, into, masked)
+            self._took_constrained(self.grammar, logits, into, masked, drawn)
             return
-        token = self.sampler(logits)
+        token = self.sampler(logits) if drawn is None else self.sampler.record(drawn)
         entry = None
         if self.sampling.logprobs is not None:
             entry = step_logprobs(logits, token, self.sampling.logprobs)
         self._accept(token, entry, into)
 
     def _took_constrained(
-        self, grammar: Matcher, logits: np.ndarray[Any, Any], into: StepOutput, masked: bool
+        self,
+        grammar: Matcher,
+        logits: np.ndarray[Any, Any],
+        into: StepOutput,
+        masked: bool,
+        drawn: int | None,
     ) -> None:
         """A structured-output step (kept apart: the batched step takes it over): the
         token is drawn from the logits the grammar allows, moves the matcher on, and
@@ -370,7 +380,7 @@ class DecodeSession:
             self._finish("stop", into)
             return
         allowed = logits if masked else grammar.masked(logits)
-        token = self.sampler(allowed)
+        token = self.sampler(allowed) if drawn is None else self.sampler.record(drawn)
         entry = None
         if self.sampling.logprobs is not None:
             # Of the masked logits, as vLLM's; forbidden alternatives (-inf) left out.
