@@ -153,16 +153,14 @@ def submit(args: argparse.Namespace) -> int:
         with make_reporter(quiet=args.quiet) as reporter:
             return _run(args, config, skip, reporter)
     finally:
-        if not ray.is_initialized():
-            pass
-        elif interrupt.interrupted_status() is None:
+        # Interrupted, Ray is left to end with this process (run_blocking ends it next):
+        # a local Ray's processes share its fate (Ray starts them with a parent-death
+        # signal), and a cluster drops a gone driver's actors, so the replicas and their
+        # daemons go either way. ray.shutdown would wait a second for each of its
+        # processes, and Ray Data's threads, still running, make Ray's core worker end
+        # the process with status 1 when they touch it after a shutdown.
+        if ray.is_initialized() and interrupt.interrupted_status() is None:
             ray.shutdown()  # a local Ray ends here, and every replica and daemon with it
-        else:
-            # ray.shutdown stops a local Ray's raylet, and with it the replicas and their
-            # daemons, within a few tenths of a second; then it gives each of Ray's own
-            # processes a second to exit, which would break the promise. Those end with
-            # this process (Ray starts them with a parent-death signal).
-            interrupt.goodbye_blocking(ray.shutdown)
 
 
 def _run(

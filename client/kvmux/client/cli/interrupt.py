@@ -49,9 +49,6 @@ GOODBYE_SECONDS = 0.75
 STOP_SECONDS = 1.5
 # ... and if flushing stdout blocks (a reader that stopped reading), this much later still.
 _LAST_RESORT_SECONDS = 0.3
-# A blocking command's goodbye stops this long before the watchdog is due, so that the
-# process ends on its own terms (its last note said, no "too slow").
-_EXIT_SECONDS = 0.25
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -97,22 +94,6 @@ def goodbye_left() -> float:
     if _stop.signum is None:
         return GOODBYE_SECONDS
     return max(GOODBYE_SECONDS - (time.monotonic() - _stop.at), 0.0)
-
-
-def goodbye_blocking(last_word: Callable[[], object]) -> bool:
-    """An interrupted blocking command's last word (``ray.shutdown``), run on a thread of
-    its own for as long as the watchdog allows; True when it finished in time. What it
-    leaves undone ends with the process, which :func:`run_blocking` ends next."""
-
-    def say() -> None:
-        with contextlib.suppress(Exception):
-            last_word()
-
-    thread = threading.Thread(target=say, name="kvmux-goodbye", daemon=True)
-    thread.start()
-    since = 0.0 if _stop.signum is None else time.monotonic() - _stop.at
-    thread.join(max(STOP_SECONDS - _EXIT_SECONDS - since, 0.0))
-    return not thread.is_alive()
 
 
 def interrupted_status() -> int | None:
