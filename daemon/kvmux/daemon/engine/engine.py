@@ -123,6 +123,8 @@ class _Planned:
     reusable: bool
     #: The decode span of each run (by index) that last decoded its rows.
     spans: dict[int, DecodeSpan] = field(default_factory=dict)
+    #: What each span's steps need of its sessions, gathered once for the span.
+    rows_of: dict[int, _SpanRows] = field(default_factory=dict)
 
 
 class Engine:
@@ -494,20 +496,11 @@ class Engine:
                 for i in index:
                     left[i] -= 1
                 return
-        ends = _ends_matrix([s.end_ids if s.on_device else frozenset() for s in sessions])
-        # Host rows with a grammar: their masks are filled on llguidance's threads (no
-        # GIL) while the run goes on, and applied to their logits in one operation.
-        grammars = [sessions[j].grammar for j in host]
-        constrained = [h for h, g in enumerate(grammars) if g is not None]
-        samplers = [sessions[j].sampler for j in host]
-        # The host rows whose tokens are drawn together: a constrained row only from its
-        # masked logits (when the fill failed it draws alone, masking its own row), and
-        # only a sampler of this module's (a test's wrapper sees each of its rows' draws).
-        together = _Together(samplers, [h for h, s in enumerate(samplers) if type(s) is Sampler])
-        unmasked: _Together | None = None
-        bitmask = None
-        if constrained:
-            bitmask = allocate_bitmask(len(host), self.structured.words)
+        gathered = planned.rows_of.get(k)
+        if gathered is None or gathered.span is not span:
+            gathered = planned.rows_of[k] = _SpanRows(span, sessions, host, self.structured.words)
+        ends, grammars, constrained = gathered.ends, gathered.grammars, gathered.constrained
+        together, bitmask = gathered.together, gathered.bitmask
         out = np.empty((steps, len(run)), dtype=np.int64)
         ended: np.ndarray[Any, Any] | None = None
         failed: Exception | None = None
@@ -534,8 +527,7 @@ class Engine:
                 if masked or not constrained:
                     drawn = together(host_logits)
                 else:
-                    unmasked = unmasked or together.without(constrained)
-                    drawn = unmasked(host_logits)
+                    drawn = gathered.unmasked()(host_logits)
                 for h, (j, logits) in enumerate(zip(host, host_logits, strict=True)):
                     session = sessions[j]
                     try:
@@ -690,6 +682,39 @@ def _one_span_per_bucket(places: Sequence[Placement]) -> bool:
             return False
         spans[p.capacity] = (group, min(lo, p.row), max(hi, p.row), n + 1)
     return all(hi - lo + 1 == n for _, lo, hi, n in spans.values())
+
+
+class _SpanRows:
+    """What every step of ``span`` needs of its rows' sessions, gathered once: a span
+    keeps its sessions (it is reused only while the plan is, its rows unmoved), and
+    none of this changes during a session's life. Gathering it cost a step of a
+    small model (a wave's draws planned again, its bitmask allocated) when every
+    call decodes one step."""
+
+    def __init__(
+        self, span: DecodeSpan, sessions: Sequence[DecodeSession], host: Sequence[int], words: int
+    ) -> None:
+        self.span = span
+        self.ends = _ends_matrix([s.end_ids if s.on_device else frozenset() for s in sessions])
+        # Host rows with a grammar: their masks are filled on llguidance's threads (no
+        # GIL) while the run goes on, and applied to their logits in one operation.
+        self.grammars = [sessions[j].grammar for j in host]
+        self.constrained = [h for h, g in enumerate(self.grammars) if g is not None]
+        samplers = [sessions[j].sampler for j in host]
+        # The host rows whose tokens are drawn together: a constrained row only from its
+        # masked logits (when the fill failed it draws alone, masking its own row), and
+        # only a sampler of this module's (a test's wrapper sees each of its rows' draws).
+        self.together = _Together(
+            samplers, [h for h, s in enumerate(samplers) if type(s) is Sampler]
+        )
+        self._unmasked: _Together | None = None
+        self.bitmask = allocate_bitmask(len(host), words) if self.constrained else None
+
+    def unmasked(self) -> _Together:
+        """The rows drawn together at a step whose masks failed: the unconstrained ones."""
+        if self._unmasked is None:
+            self._unmasked = self.together.without(self.constrained)
+        return self._unmasked
 
 
 class _Together:
