@@ -687,9 +687,9 @@ def _one_span_per_bucket(places: Sequence[Placement]) -> bool:
 class _SpanRows:
     """What every step of ``span`` needs of its rows' sessions, gathered once: a span
     keeps its sessions (it is reused only while the plan is, its rows unmoved), and
-    none of this changes during a session's life. Gathering it cost a step of a
-    small model (a wave's draws planned again, its bitmask allocated) when every
-    call decodes one step."""
+    none of this changes during a session's life. Gathered at every call, a caller
+    decoding one step a call had a wave's draws planned and its bitmask allocated
+    again at every step."""
 
     def __init__(
         self, span: DecodeSpan, sessions: Sequence[DecodeSession], host: Sequence[int], words: int
