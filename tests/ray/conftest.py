@@ -194,9 +194,11 @@ class RaySetup:
         try:
             yield proc
         finally:
+            # Always reap it and close its pipes, alive or not: pipes left to the
+            # collector warn in whichever test runs next, and fail that one.
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
+            proc.communicate()
 
 
 @pytest.fixture(scope="module")

@@ -124,9 +124,12 @@ def test_a_killed_replica_loses_nothing(
         daemon = min(daemons)
         os.kill(daemon if victim == "kvmuxd" else parent_pid(daemon), signal.SIGKILL)
         _wait("its kvmuxd to go", lambda: daemon not in kvmuxd_pids(ray_setup.root))
-        # A new daemon: the killed one's work had not run out, and it runs again.
-        _wait("a new kvmuxd", lambda: bool(kvmuxd_pids(ray_setup.root) - daemons))
-        _, stderr = run.communicate(timeout=240)
+        # Who runs the killed one's batches again is Ray's choice: a restarted actor
+        # (a new kvmuxd, 16 s after the kill with a CPU hog on each core; a run under
+        # such load once had none within 120 s), or the other replica once it is free.
+        # Either way every line must come back once: the assertions below. The time
+        # is not the point here, so the limit only stops a run that hangs.
+        _, stderr = run.communicate(timeout=600)
     assert run.returncode == 2, stderr
     assert _lines(out) == len(want)
     assert_same_results(results(out), want)
