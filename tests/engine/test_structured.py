@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ from kvmux.daemon.engine.runner import DecodeSpan
 from kvmux.daemon.engine.structured import (
     MAX_SOURCE_BYTES,
     GrammarCompiler,
+    Matcher,
     StructuredSpec,
     allocate_bitmask,
     apply_bitmask,
@@ -191,6 +193,14 @@ def test_apply_bitmask_masks_only_the_constrained_rows() -> None:
     wide = rng.standard_normal((1, 100)).astype(np.float32)
     apply_bitmask(wide, np.full((1, 3), -1, dtype=np.int32))
     assert np.isfinite(wide[0, :96]).all() and np.isneginf(wide[0, 96:]).all()
+    # Overflowed logits (fp16's inf): a forbidden +inf is -inf too, an allowed one stays.
+    for dtype in (np.float32, np.float16):
+        edge = np.zeros((1, vocab), dtype=dtype)
+        edge[0, [0, 1]] = np.inf
+        apply_bitmask(edge, masks[:1])
+        assert edge.dtype == dtype
+        assert edge[0, 0] == np.inf and edge[0, 1] == -np.inf
+        assert set(np.flatnonzero(np.isfinite(edge[0])).tolist()) == want[0] - {0}
 
 
 @pytest.mark.gpu
@@ -251,6 +261,75 @@ def test_a_steps_masks_are_applied_where_the_logits_are(
         # the sampled row 1 and the greedy row 2 are not.
         assert host == [0, 1, 3]
         assert masked.tolist() == [True, False, False, True]
+
+
+def _mixed_decode(engine: Engine, steps_per_call: int) -> list[list[int]]:
+    """Four sessions, two of them constrained (sampled and greedy), decoded to their end
+    with ``step_many``: each one's tokens."""
+    params = [
+        SamplingParams(max_new_tokens=40, temperature=0.9, seed=1, structured=spec(json=PERSON)),
+        SamplingParams(max_new_tokens=40, temperature=0.9, seed=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=40, structured=spec(regex="[a-z]{3,30}")),
+        SamplingParams(max_new_tokens=40, ignore_eos=True),
+    ]
+    sessions = [
+        engine.new_session(f"Item {i}:", p, session_id=f"f{i}") for i, p in enumerate(params)
+    ]
+    try:
+        live = list(sessions)
+        while live:
+            outs = engine.step_many(live, steps_per_call)
+            assert not any(isinstance(o, Exception) for o in outs), outs
+            live = [s for s in live if not s.finished]
+        return [list(s.generated) for s in sessions]
+    finally:
+        for s in sessions:
+            s.release()
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 8])
+def test_every_mask_is_filled_beside_a_run_none_row_by_row(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch, steps_per_call: int
+) -> None:
+    """The first token after the prompt (a one-run step) and every span step: the
+    constrained rows' masks come from one fill per run, made while the run goes on;
+    no row masks its own logits after the run."""
+    fills: list[int] = []
+    real_fill = GrammarCompiler.fill_bitmasks
+
+    def counted(self: GrammarCompiler, matchers: list[Matcher | None], bitmask: np.ndarray) -> None:
+        fills.append(sum(m is not None for m in matchers))
+        real_fill(self, matchers, bitmask)
+
+    def alone(self: Matcher, logits: np.ndarray) -> np.ndarray:
+        raise AssertionError("a row masked its own logits")
+
+    monkeypatch.setattr(GrammarCompiler, "fill_bitmasks", counted)
+    monkeypatch.setattr(Matcher, "masked", alone)
+    tokens = _mixed_decode(tiny_engine, steps_per_call)
+    assert fills[0] == 2  # both constrained rows' first masks in the prompts' run
+    assert all(0 < n <= 2 for n in fills)
+    assert len(fills) >= len(tokens[2])  # a fill for each of the regex row's tokens
+
+
+def test_a_failed_fill_leaves_each_row_to_mask_its_own(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batched fill that fails (here a plain RuntimeError, every other call) costs
+    nothing but time: each constrained row then masks its own logits, and every row's
+    tokens are those of a decode whose fills all worked."""
+    want = _mixed_decode(tiny_engine, 1)
+    calls = itertools.count()
+    real_fill = GrammarCompiler.fill_bitmasks
+
+    def flaky(self: GrammarCompiler, matchers: list[Matcher | None], bitmask: np.ndarray) -> None:
+        if next(calls) % 2 == 0:
+            raise RuntimeError("injected: the fill failed")
+        real_fill(self, matchers, bitmask)
+
+    monkeypatch.setattr(GrammarCompiler, "fill_bitmasks", flaky)
+    assert _mixed_decode(tiny_engine, 1) == want
+    assert next(calls) > 4
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

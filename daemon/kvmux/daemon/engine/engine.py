@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +46,14 @@ from .runner import DecodeSpan, ModelRunner, RowInput
 from .runtime import OrtSession, create_session
 from .sampling import Draws, ResolvedSampling, Sampler, SamplingParams, resolve_sampling
 from .session import Completion, DecodeSession, StepOutput
-from .structured import GrammarCompiler, allocate_bitmask
+from .structured import (
+    Filling,
+    GrammarCompiler,
+    MaskFiller,
+    Matcher,
+    allocate_bitmask,
+    apply_bitmask,
+)
 
 log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.step")
@@ -216,8 +222,8 @@ class Engine:
         self._planned: _Planned | None = None
         #: Structured outputs' grammars for this model's tokenizer (built on first use).
         self.structured = GrammarCompiler.for_model(self.spec)
-        # Fills a step's grammar masks beside its run (llguidance lets go of the GIL).
-        self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmux-masks")
+        # Fills a step's grammar masks beside its run.
+        self._masks = MaskFiller(self.structured)
 
     def _prefix_cache(self, switch: int | None) -> PrefixCache | None:
         opts = self.options
@@ -435,17 +441,23 @@ class Engine:
         with it (it is split at once)."""
         results: list[np.ndarray[Any, Any] | Exception]
         picks = None
+        masks = _NO_MASKS
         try:
             if failed is not None:
                 raise failed
+            masks = _RunMasks.start(self, run, fed)
             logits = self.runner.run(run)
         except Exception as exc:  # noqa: BLE001 - split until only the failing row fails
             results = split_failed(run, self._run_rows, exc)
+            masked: frozenset[int] = frozenset()
         else:
+            masked = masks.apply(logits)
             results = list(logits)
             if any(r.picks_argmax for r in run):
                 # One argmax for the run instead of one per row.
                 picks = logits.argmax(axis=1).tolist()
+        finally:
+            masks.wait()  # the matchers are the sessions' again only after the fill
         for j, row in enumerate(run):
             i, session, tokens = fed[row.index]
             result = results[j]
@@ -453,7 +465,7 @@ class Engine:
                 if isinstance(result, Exception):
                     raise self.translate_run_error(result, session, len(tokens))
                 pick = None if picks is None else picks[j]
-                session.took(len(tokens), result, acc[i], pick)
+                session.took(len(tokens), result, acc[i], pick, masked=j in masked)
             except Exception as exc:  # noqa: BLE001 - that item fails alone
                 errors[i] = exc
 
@@ -499,7 +511,7 @@ class Engine:
         gathered = planned.rows_of.get(k)
         if gathered is None or gathered.span is not span:
             gathered = planned.rows_of[k] = _SpanRows(span, sessions, host, self.structured.words)
-        ends, grammars, constrained = gathered.ends, gathered.grammars, gathered.constrained
+        ends, matchers, constrained = gathered.ends, gathered.matchers, gathered.constrained
         together, bitmask = gathered.together, gathered.bitmask
         out = np.empty((steps, len(run)), dtype=np.int64)
         ended: np.ndarray[Any, Any] | None = None
@@ -509,20 +521,20 @@ class Engine:
             failpoints.delay("engine.step")  # a slowed step slows each step of the span
             filling = None
             if bitmask is not None:
-                filling = self._masks.submit(self.structured.fill_bitmasks, grammars, bitmask)
+                filling = self._masks.start(matchers, bitmask)
             try:
                 picks = span.step()
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 failed = exc
                 break
             finally:
-                mask_error = None if filling is None else filling.exception()
+                mask_error = None if filling is None else filling.error()
             out[span.steps - 1] = picks
             stop = False
             if host:
                 masked = bitmask is not None and mask_error is None
                 if bitmask is not None and masked:
-                    span.mask_host_rows(constrained, bitmask[constrained])
+                    span.mask_host_rows(constrained, bitmask)
                 host_logits = span.host_logits()
                 if masked or not constrained:
                     drawn = together(host_logits)
@@ -684,6 +696,52 @@ def _one_span_per_bucket(places: Sequence[Placement]) -> bool:
     return all(hi - lo + 1 == n for _, lo, hi, n in spans.values())
 
 
+class _RunMasks:
+    """The masks of a one-run step's constrained rows that take a token (a prompt's last
+    chunk, a decode step off the span), filled in one call on llguidance's threads while
+    the run goes on, then applied to the run's logits in one operation: row by row after
+    the run, each row's fill would wait for the run and then for the rows before it."""
+
+    def __init__(self, rows: Sequence[int] = (), filling: Filling | None = None) -> None:
+        self.rows = rows
+        self.filling = filling
+
+    @classmethod
+    def start(
+        cls,
+        engine: Engine,
+        run: Sequence[_Row],
+        fed: Sequence[tuple[int, DecodeSession, list[int]]],
+    ) -> _RunMasks:
+        rows: list[int] = []
+        matchers: list[Matcher | None] = []
+        for j, row in enumerate(run):
+            _, session, tokens = fed[row.index]
+            if session.grammar is not None and session.takes_token(len(tokens)):
+                rows.append(j)
+                matchers.append(session.grammar)
+        if not rows:
+            return _NO_MASKS
+        bitmask = allocate_bitmask(len(rows), engine.structured.words)
+        return cls(rows, engine._masks.start(matchers, bitmask))
+
+    def apply(self, logits: np.ndarray[Any, Any]) -> frozenset[int]:
+        """Mask ``logits`` (the run's, ``[rows, vocab]``, in place): the rows masked.
+        None where the fill failed: each row then masks its own, so a matcher in error
+        fails its item alone."""
+        if self.filling is None or self.filling.error() is not None:
+            return frozenset()
+        apply_bitmask(logits, self.filling.bitmask, np.asarray(self.rows, dtype=np.int64))
+        return frozenset(self.rows)
+
+    def wait(self) -> None:
+        if self.filling is not None:
+            self.filling.error()
+
+
+_NO_MASKS = _RunMasks()
+
+
 class _SpanRows:
     """What every step of ``span`` needs of its rows' sessions, gathered once: a span
     keeps its sessions (it is reused only while the plan is, its rows unmoved), and
@@ -698,8 +756,10 @@ class _SpanRows:
         self.ends = _ends_matrix([s.end_ids if s.on_device else frozenset() for s in sessions])
         # Host rows with a grammar: their masks are filled on llguidance's threads (no
         # GIL) while the run goes on, and applied to their logits in one operation.
-        self.grammars = [sessions[j].grammar for j in host]
-        self.constrained = [h for h, g in enumerate(self.grammars) if g is not None]
+        grammars = [sessions[j].grammar for j in host]
+        self.constrained = [h for h, g in enumerate(grammars) if g is not None]
+        # Row k of the bitmask is the mask of host row constrained[k].
+        self.matchers: list[Matcher | None] = [grammars[h] for h in self.constrained]
         samplers = [sessions[j].sampler for j in host]
         # The host rows whose tokens are drawn together: a constrained row only from its
         # masked logits (when the fill failed it draws alone, masking its own row), and
@@ -708,7 +768,7 @@ class _SpanRows:
             samplers, [h for h, s in enumerate(samplers) if type(s) is Sampler]
         )
         self._unmasked: _Together | None = None
-        self.bitmask = allocate_bitmask(len(host), words) if self.constrained else None
+        self.bitmask = allocate_bitmask(len(self.constrained), words) if self.constrained else None
 
     def unmasked(self) -> _Together:
         """The rows drawn together at a step whose masks failed: the unconstrained ones."""

@@ -328,6 +328,11 @@ class DecodeSession:
         self.ahead = min(room - need + 1, self._max_new - len(self.generated))
         return [self._pending]
 
+    def takes_token(self, n: int) -> bool:
+        """Whether a run of the ``n`` tokens :meth:`feed` gave ends in a token for it to
+        take: not a prompt chunk before its last."""
+        return self._prompt_pos + n >= len(self.prompt_ids)
+
     def took(
         self,
         n: int,
@@ -376,7 +381,9 @@ class DecodeSession:
         token is drawn from the logits the grammar allows, moves the matcher on, and
         the item ends with "stop" where the grammar is complete (only the end token
         could follow, so it is not drawn)."""
-        if grammar.is_stopped():
+        # After a token the matcher says whether it is complete (below), so only a
+        # grammar that is complete before its first token is asked here.
+        if not self.generated and grammar.is_stopped():
             self._finish("stop", into)
             return
         allowed = logits if masked else grammar.masked(logits)
@@ -391,9 +398,9 @@ class DecodeSession:
         if grammar.is_end(token):  # the grammar allowed its end here, and it was drawn
             self._finish("stop", into)
             return
-        grammar.accept(token)
+        complete = grammar.advance(token)
         self._accept(token, entry, into)
-        if not self.finished and grammar.is_stopped():
+        if complete and not self.finished:
             self._finish("stop", into)
 
     def _accept(self, token: int, logprobs: StepLogprobs | None, into: StepOutput) -> None:
