@@ -227,12 +227,17 @@ async def test_under_a_tight_wait_budget_every_item_that_fits_alone_finishes(
     async with running(cfg) as daemon:
         results = await _run(daemon, items)
         async with connected(daemon) as client:
-            status = await client.status()
+            # The last items' prompts are kept where they decoded, and moved into the
+            # cache's own pool by the loop's next turn, off the loop: a status answered
+            # during that move (a loaded machine's) counts the new row as held.
+            with anyio.fail_after(20):
+                while (status := await client.status()).kv_bytes_in_use:
+                    await anyio.sleep(0.01)
     got = ok_tokens(results)
     for item in items:
         assert got[item.custom_id] == decode_alone(reference, item)
     assert status.prefix_cache is not None and status.prefix_cache.hits > 0
-    assert status.kv_peak_bytes <= 800 * bpt and status.kv_bytes_in_use == 0
+    assert status.kv_peak_bytes <= 800 * bpt
 
 
 async def test_a_fork_that_fails_leaves_its_item_to_prefill_the_whole_prompt(
