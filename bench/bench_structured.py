@@ -6,8 +6,9 @@ waves of ``--wave`` sessions (a scheduler's active set):
 - compile: the schema compiled on a fresh compiler (llguidance's tokenizer built
   first, timed apart), then looked up again for every line (the cache);
 - the batch constrained vs the same batch unconstrained (same prompts, seeds and
-  max_tokens): tokens/s, and the mask's time per constrained token (filling the
-  row's bitmask and applying it), every ``stop`` answer checked with jsonschema;
+  max_tokens): tokens/s, and the step's thread's time on masks per constrained
+  token (waiting for the fill made beside the run, applying the masks, any row
+  masked alone), every ``stop`` answer checked with jsonschema;
 - mixed: one wave, half its rows constrained, against the same wave with none
   constrained. The unconstrained rows (ignore_eos, ``--plain-tokens`` each)
   finish before any constrained row can (the schema needs more tokens), so both
@@ -31,7 +32,7 @@ from typing import Any
 
 from bench.common import builtin, write_json
 from kvmux.daemon.engine import DecodeSession, Engine, EngineOptions, SamplingParams
-from kvmux.daemon.engine.structured import GrammarCompiler, Matcher, StructuredSpec
+from kvmux.daemon.engine.structured import Filling, GrammarCompiler, Matcher, StructuredSpec
 
 # One invoice's fields: strings with patterns and bounds, enums, a nested object,
 # an array of objects, numbers, a boolean; additionalProperties false throughout.
@@ -84,29 +85,40 @@ def prompt(i: int) -> str:
     )
 
 
-def _timed_masks() -> tuple[list[float], Any]:
-    """Time :meth:`Matcher.masked` (fill + apply) for every constrained token."""
-    spent: list[float] = []
-    original = Matcher.masked
-
-    def masked(self: Matcher, logits: Any) -> Any:
-        t0 = time.perf_counter()
-        out = original(self, logits)
-        spent.append(time.perf_counter() - t0)
-        return out
-
-    return spent, masked
-
-
 @contextmanager
 def mask_timer() -> Iterator[list[float]]:
-    spent, masked = _timed_masks()
-    original = Matcher.masked
-    Matcher.masked = masked  # type: ignore[method-assign]
+    """The seconds the step's thread spends on masks, added up: waiting for a fill
+    (:meth:`Filling.error`), applying masks (``apply_bitmask`` as the engine and the
+    runner call it) and any row masked alone (:meth:`Matcher.masked`, the fallback)."""
+    from kvmux.daemon.engine import engine as engine_module
+    from kvmux.daemon.engine import runner as runner_module
+
+    spent = [0.0]
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        return wrapper
+
+    where = [
+        (Filling, "error"),
+        (Matcher, "masked"),
+        (engine_module, "apply_bitmask"),
+        (runner_module, "apply_bitmask"),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in where]
+    for owner, name, fn in saved:
+        setattr(owner, name, timed(fn))
     try:
         yield spent
     finally:
-        Matcher.masked = original  # type: ignore[method-assign]
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def run_batch(
@@ -150,8 +162,8 @@ def run_batch(
         "tokens_per_s": tokens / wall,
         "stop": stops,
         "valid_json": valid,
-        "mask_us_per_token": statistics.mean(spent) * 1e6 if spent else 0.0,
-        "mask_share": sum(spent) / wall,
+        "mask_us_per_token": spent[0] / tokens * 1e6 if constrained and tokens else 0.0,
+        "mask_share": spent[0] / wall,
     }
 
 
@@ -196,8 +208,8 @@ def mixed_wave(
 
 def fill_costs(engine: Engine, rows: int, repeats: int = 50) -> dict[str, float]:
     """One step's masks for ``rows`` constrained rows (each a few fields into the schema):
-    one row at a time (the current step) vs one ``fill_bitmasks`` call (llguidance's
-    threads, no GIL: what a batched step calls beside the model's run)."""
+    one row at a time (the fallback when a fill fails) vs one ``fill_bitmasks`` call
+    (llguidance's threads, no GIL: what a step calls beside the model's run)."""
     from kvmux.daemon.engine.structured import allocate_bitmask
 
     compiler = engine.structured
@@ -282,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"one step's masks for {args.wave // 2} rows: {fills['fill_serial_us_per_row']:.1f} us a "
         f"row one at a time, {fills['fill_batched_us_per_row']:.1f} us a row in one "
-        "fill_bitmasks call (fill only; the current step also copies and masks each row)"
+        "fill_bitmasks call (fill only: a step makes that call beside its run)"
     )
     ratios = []
     for _ in range(args.repeats):
