@@ -14,8 +14,9 @@ into one ``int32 [rows, words]`` bitmask (llguidance lets go of the GIL and uses
 its own threads, so it can run beside the model's run), :func:`apply_bitmask`
 sets the other tokens' logits to -inf on those rows only (NumPy, or CuPy for
 logits on the device: one function, ``xp`` names the array module), the row's
-token is drawn from what is left, and :meth:`Matcher.accept` moves its matcher on.
+token is drawn from what is left, and :meth:`Matcher.advance` moves its matcher on.
 When the grammar is complete only the end token is allowed (:meth:`Matcher.is_stopped`).
+:class:`MaskFiller` makes the fills on a thread of its own, beside the run.
 
 Compilation is bounded (:data:`LIMITS`: llguidance's fuel and size limits) and
 runs where admission runs, off the event loop. An invalid schema, regex or
