@@ -95,8 +95,11 @@ def test_small_streams_split_characters_across_tokens(small_tok: Tokenizer) -> N
     assert parts.count("") >= 2 and "\ufffd" not in "".join(parts)
 
 
+@pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_push_many_gives_the_text_of_one_push_at_a_time(small_tok: Tokenizer, seed: int) -> None:
+def test_push_many_gives_the_text_of_one_push_at_a_time(
+    small_tok: Tokenizer, seed: int, skip: bool
+) -> None:
     """The daemon's loop decodes a chunk of a session's tokens with one ``push_many``:
     cut anywhere (split characters, special tokens, ids never seen), the text is the
     same as pushing one token at a time."""
@@ -104,7 +107,7 @@ def test_push_many_gives_the_text_of_one_push_at_a_time(small_tok: Tokenizer, se
     ids = [int(t) for t in rng.integers(0, small_tok.vocab_size, 300)]
     ids[10:10] = small_tok.encode("naïve 🙂 日本語")
     ids[40:40] = [0]  # a special token among ordinary ones
-    one = [small_tok.incremental_decoder() for _ in range(2)]
+    one = [small_tok.incremental_decoder(skip_special_tokens=skip) for _ in range(2)]
     want = "".join(one[0].push(t) for t in ids) + one[0].flush()
     many, got, start = one[1], "", 0
     for size in rng.integers(1, 12, 100):
@@ -112,4 +115,4 @@ def test_push_many_gives_the_text_of_one_push_at_a_time(small_tok: Tokenizer, se
         start += int(size)
     got += many.push_many(ids[start:]) + many.flush()
     assert got == want
-    assert want == small_tok.decode(ids)
+    assert want == small_tok.decode(ids, skip_special_tokens=skip)
