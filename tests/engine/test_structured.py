@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import re
@@ -330,6 +331,20 @@ def test_a_failed_fill_leaves_each_row_to_mask_its_own(
     monkeypatch.setattr(GrammarCompiler, "fill_bitmasks", flaky)
     assert _mixed_decode(tiny_engine, 1) == want
     assert next(calls) > 4
+
+
+def test_the_mask_threads_end_with_their_engine(tiny_model: Path) -> None:
+    """An engine's mask filler starts its thread at its first constrained step, and the
+    thread ends once the engine is gone: a process that makes engines keeps none."""
+    engine = Engine(tiny_model, EngineOptions(min_bucket=16, intra_op_threads=1))
+    params = SamplingParams(max_new_tokens=4, structured=spec(regex="[a-z]{2,8}"))
+    assert engine.generate("Word:", params).finish_reason in ("stop", "length")
+    thread = engine._masks._thread
+    assert thread is not None and thread.is_alive()
+    del engine
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -726,9 +726,9 @@ class _RunMasks:
         return cls(rows, engine._masks.start(matchers, bitmask))
 
     def apply(self, logits: np.ndarray[Any, Any]) -> frozenset[int]:
-        """Mask ``logits`` (the run's, ``[rows, vocab]``, in place): the rows masked.
-        None where the fill failed: each row then masks its own, so a matcher in error
-        fails its item alone."""
+        """Mask ``logits`` (the run's, ``[rows, vocab]``, in place): the rows masked,
+        none where the fill failed (each row then masks its own, so a matcher in error
+        fails its item alone)."""
         if self.filling is None or self.filling.error() is not None:
             return frozenset()
         apply_bitmask(logits, self.filling.bitmask, np.asarray(self.rows, dtype=np.int64))

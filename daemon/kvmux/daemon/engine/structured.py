@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -427,29 +428,33 @@ class MaskFiller:
 
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
-        self._fills: queue.SimpleQueue[Filling] = queue.SimpleQueue()
+        self._fills: queue.SimpleQueue[Filling | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def start(self, matchers: Sequence[Matcher | None], bitmask: npt.NDArray[np.int32]) -> Filling:
         """Fill ``bitmask`` for ``matchers`` (as ``fill_bitmasks``); the caller leaves
         both alone until :meth:`Filling.error` has returned."""
         if self._thread is None:
-            # A daemon thread: it holds nothing a process that exits must wait for.
-            self._thread = threading.Thread(target=self._work, name="kvmux-masks", daemon=True)
+            # The thread holds the queue and the compiler, not this filler: once the
+            # filler (its engine) is gone, the None put then ends the thread.
+            self._thread = threading.Thread(
+                target=_fill, args=(self._fills, self.compiler), name="kvmux-masks", daemon=True
+            )
             self._thread.start()
+            weakref.finalize(self, self._fills.put, None)
         filling = Filling(matchers, bitmask)
         self._fills.put(filling)
         return filling
 
-    def _work(self) -> None:
-        while True:
-            filling = self._fills.get()
-            try:
-                self.compiler.fill_bitmasks(filling.matchers, filling.bitmask)
-            except BaseException as exc:  # noqa: BLE001 - the caller's to see
-                filling.failed = exc
-            finally:
-                filling.done.release()
+
+def _fill(fills: queue.SimpleQueue[Filling | None], compiler: GrammarCompiler) -> None:
+    while (filling := fills.get()) is not None:
+        try:
+            compiler.fill_bitmasks(filling.matchers, filling.bitmask)
+        except BaseException as exc:  # noqa: BLE001 - the caller's to see
+            filling.failed = exc
+        finally:
+            filling.done.release()
 
 
 class Filling:
