@@ -125,14 +125,15 @@ def test_the_mask_allows_exactly_the_grammars_next_tokens(tiny_engine: Engine) -
     first = allowed(compiler, row)
     # tiny is byte-level: one token per byte, so exactly "y" and "n" may start.
     assert {tok.token_text(t) for t in first} == {"y", "n"}
-    for t in tok.encode("yes"):
+    word = tok.encode("yes")
+    for i, t in enumerate(word):
         assert not m.is_stopped()
-        m.accept(t)
+        assert m.advance(t) is (i == len(word) - 1)  # complete once "yes" is
     assert m.is_stopped() and m.is_accepting()
     m.fill_bitmask(row)
     assert allowed(compiler, row) == set(tiny_engine.spec.eos_token_ids)
     with pytest.raises(BadPrompt, match="does not match"):
-        compiler.matcher(spec(choice=["yes", "no"])).accept(tok.encode("x")[0])
+        compiler.matcher(spec(choice=["yes", "no"])).advance(tok.encode("x")[0])
 
 
 def test_replay_reaches_the_state_of_accepting_token_by_token(tiny_engine: Engine) -> None:
@@ -140,7 +141,7 @@ def test_replay_reaches_the_state_of_accepting_token_by_token(tiny_engine: Engin
     tokens = tiny_engine.tokenizer.encode('{"name":"ab","age":7')
     one, two = compiler.matcher(spec(json=PERSON)), compiler.matcher(spec(json=PERSON))
     for t in tokens:
-        one.accept(t)
+        assert not one.advance(t)
     two.replay(tokens)
     rows = allocate_bitmask(2, compiler.words)
     one.fill_bitmask(rows[0])

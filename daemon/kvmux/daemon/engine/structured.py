@@ -228,14 +228,10 @@ class Matcher:
         """Whether ``token`` is an end token (the grammar allowed it: it was drawn)."""
         return token in self._ends
 
-    def accept(self, token: int) -> None:
-        """Move on by ``token``; a token the grammar refuses is a :class:`BadPrompt`
-        (the mask keeps it from happening; a grammar over its step limits does)."""
-        if not self._ll.consume_token(token):
-            raise self._failed(f"token {token} does not match the grammar")
-
     def advance(self, token: int) -> bool:
-        """:meth:`accept`, then :meth:`is_stopped`: one call where a step takes a token."""
+        """Move on by ``token``; whether the grammar is complete now (:meth:`is_stopped`),
+        in the same call. A token the grammar refuses is a :class:`BadPrompt` (the mask
+        keeps it from happening; a grammar over its step limits does)."""
         ll = self._ll
         if not ll.consume_token(token):
             raise self._failed(f"token {token} does not match the grammar")
