@@ -49,7 +49,10 @@ def test_a_client_that_never_reads_cannot_bloat_the_daemon(tiny_model: Path) -> 
 def test_half_open_connections_pause_listening_instead_of_aborting(tiny_model: Path) -> None:
     f = _run("half_open", tiny_model)
     assert f["daemon_alive"], f
-    assert f["listening_paused"] >= 1 and f["refused"] > 0
+    # Paused at least once. Refused connects are not asked for: pausing drops the
+    # half-open connections, so a daemon that reacts within the flood may listen
+    # again (and pause again) before the flooder's last connect.
+    assert f["listening_paused"] >= 1, f
     assert f["next_client_served"]
 
 

@@ -658,28 +658,46 @@ class Server:
         # loop of connects gets hundreds in that time.
         high = min(self.cfg.max_connections, self._fd_limit // 2)
         low = high * 3 // 4
-        while True:
-            await anyio.sleep(_FD_CHECK_SECONDS)
-            if self._sock is None or self._bound is None:
-                continue
-            n = open_fds()
-            if self.listening and n >= high:
-                self._sock.unbind(self._bound)
-                self.listening = False
-                log.warning("listening_paused", open_fds=n, limit=high, fd_limit=self._fd_limit)
-            elif not self.listening and n < low:
-                path = ipc_path(self.endpoint)
-                try:
-                    if path is not None:
-                        prepare_ipc(path)
-                    self._sock.bind(self._bound)
-                except (OSError, zmq.ZMQError, EndpointInUse) as exc:
-                    log.error("listening_resume_failed", error=str(exc))
-                    continue
+        assert self._sock is not None
+        # libzmq tells of each connection it accepts: a flood of connects is checked
+        # as fast as the loop turns, not every _FD_CHECK_SECONDS. Polled alone, ~500
+        # connects (a tight loop's 20 ms) came in between two checks, past the limit,
+        # where libzmq's ipc accept aborts the process.
+        accepted = cast(zmq.asyncio.Socket, self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED))
+        try:
+            while True:
+                with anyio.move_on_after(_FD_CHECK_SECONDS):
+                    await accepted.recv_multipart()
+                    with contextlib.suppress(zmq.Again):
+                        while True:  # the rest of a burst: one check for all of it
+                            await accepted.recv_multipart(zmq.NOBLOCK)
+                self._check_fds(high, low)
+        finally:
+            if self._sock is not None:
+                self._sock.disable_monitor()
+            accepted.close(linger=0)
+
+    def _check_fds(self, high: int, low: int) -> None:
+        if self._sock is None or self._bound is None:
+            return
+        n = open_fds()
+        if self.listening and n >= high:
+            self._sock.unbind(self._bound)
+            self.listening = False
+            log.warning("listening_paused", open_fds=n, limit=high, fd_limit=self._fd_limit)
+        elif not self.listening and n < low:
+            path = ipc_path(self.endpoint)
+            try:
                 if path is not None:
-                    os.chmod(path, 0o660)
-                self.listening = True
-                log.warning("listening_resumed", open_fds=n)
+                    prepare_ipc(path)
+                self._sock.bind(self._bound)
+            except (OSError, zmq.ZMQError, EndpointInUse) as exc:
+                log.error("listening_resume_failed", error=str(exc))
+                return
+            if path is not None:
+                os.chmod(path, 0o660)
+            self.listening = True
+            log.warning("listening_resumed", open_fds=n)
 
     # -- liveness and log subscriptions ----------------------------------------------
     async def _reap_loop(self) -> None:
