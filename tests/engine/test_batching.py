@@ -250,3 +250,30 @@ def test_a_prompt_that_fills_the_context_ends_after_its_first_token(engine: Engi
     assert out.finished and out.finish_reason == "length"
     assert out.token_ids == engine.generate(prompt, greedy(1)).token_ids
     session.release()
+
+
+def test_launching_is_called_once_just_before_the_first_run(big_buffer_engine: Engine) -> None:
+    """The scheduler hands the chunk before to its loop from ``launching``: that must be
+    after the call's Python has prepared its first run and before any run, once."""
+    engine = big_buffer_engine
+    sessions = [
+        engine.new_session(prompt_ids(engine, 5 + i, seed=i), greedy(6), session_id=f"l{i}")
+        for i in range(4)
+    ]
+    runs_at_call: list[int] = []
+    before = engine.runner.runs
+    outs = engine.step_many(sessions, 3, launching=lambda: runs_at_call.append(engine.runner.runs))
+    assert runs_at_call == [before]  # once, and no run had started
+    assert engine.runner.runs - before == 3
+    runs_at_call.clear()
+    outs = engine.step_many(sessions, 10, launching=lambda: runs_at_call.append(engine.runner.runs))
+    assert len(runs_at_call) == 1 and all(not isinstance(o, Exception) and o.finished for o in outs)
+    # Nothing left to step: no run, and no call.
+    runs_at_call.clear()
+    engine.step_many(sessions, 1, launching=lambda: runs_at_call.append(engine.runner.runs))
+    assert runs_at_call == []
+    for i, s in enumerate(sessions):
+        assert (
+            s.generated == engine.generate(prompt_ids(engine, 5 + i, seed=i), greedy(6)).token_ids
+        )
+        s.release()

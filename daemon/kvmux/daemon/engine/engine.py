@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -386,9 +386,18 @@ class Engine:
         return out
 
     def step_many(
-        self, sessions: Sequence[DecodeSession], steps: int = 1
+        self,
+        sessions: Sequence[DecodeSession],
+        steps: int = 1,
+        *,
+        launching: Callable[[], object] | None = None,
     ) -> list[StepOutput | Exception]:
         """``steps`` steps of each session, merged per session; a failure is its entry.
+
+        ``launching`` is called once, when the call's first run is planned and about
+        to start (not at all if no session has a step to take): what another thread
+        does from then on overlaps the run, which holds no GIL, rather than this
+        call's own Python.
 
         Each step, the decode rows of one cohort that sit in adjacent rows run
         as one batch; every prompt chunk runs alone. A session that finishes or
@@ -418,6 +427,9 @@ class Engine:
                 if tokens is not None:
                     fed.append((i, session, tokens))
             self._planned = planned = self._plan(fed, self._planned)
+            if launching is not None and planned.runs:
+                launching()
+                launching = None
             for k, run in enumerate(planned.runs):
                 if planned.reusable:
                     self._decode_span(planned, k, fed, acc, errors, left)

@@ -220,20 +220,23 @@ class TurnLoop:
 
         first = self._first_chunk(sessions)
         beside = self._announce_opened if self._opened else None
-        last = await self.worker.run_beside(beside, self._run, sessions, first, post)
-        self._took(ready, last)
+        # Every chunk, the last included, reaches the loop through post(), before the
+        # call's own completion does (both are call_soon_threadsafe from the model
+        # thread, in that order): the last one's results go out a wake-up sooner
+        # than through the awaited future (~0.35 -> ~0.1 ms on this VM).
+        await self.worker.run_beside(beside, self._run, sessions, first, post)
         return True
 
     def _run(
         self, sessions: list[DecodeSession], steps: int, post: Callable[[_Chunk], None]
-    ) -> _Chunk:
+    ) -> None:
         """A run, on the model thread: chunks of steps back to back, the first of
         ``steps``, while the ready set stays what it was.
 
-        Each chunk but the last is posted to the loop, which streams its tokens
-        while the next one runs: the model does not wait for the loop between
-        chunks (on short steps that wait was a third of the daemon's time). The
-        run ends, and its last chunk is returned, when a session finishes or
+        Each chunk is posted to the loop, which streams its tokens while the next
+        one runs: the model does not wait for the loop between chunks (on short
+        steps that wait was a third of the daemon's time). The run ends, after
+        posting its last chunk, when a session finishes or
         fails (its release is the loop's, when no step is in flight), when the
         next step does not fit a session's bucket (growth is the coordinator's,
         between runs), when the loop is wanted (poke: an arrival, a cancel, a
@@ -242,24 +245,40 @@ class TurnLoop:
         """
         started = time.perf_counter()
         prefix = self.prefix
+        pending: _Chunk | None = None
+
+        def post_pending() -> None:
+            nonlocal pending
+            if pending is not None:
+                post(pending)
+                pending = None
+
         while True:
             decoding = not any(s.prefilling for s in sessions)
             t = time.perf_counter()
-            outputs = self.engine.step_many(sessions, steps)
+            try:
+                # The chunk before goes to the loop as this one's first run starts: the
+                # loop's Python for it (~4 us a session) then overlaps the run, not the
+                # Python that prepares it, which would wait for the GIL meanwhile.
+                outputs = self.engine.step_many(sessions, steps, launching=post_pending)
+            finally:
+                post_pending()
             chunk = _Chunk(outputs, steps, time.perf_counter() - t, decoding)
-            if (
+            ends = (
                 self._stop.is_set()
                 or not all(map(still_going, outputs))
                 or time.perf_counter() - started > _MAX_RUN_SECONDS
                 # Checked here, not by the loop: on short steps the next chunk would
                 # decode the donor to its end before a poke from the loop landed.
                 or (prefix.waiting and prefix.any_waiter_ready())
-            ):
-                return chunk
-            fit = _steps_that_fit(sessions)
+            )
+            # Decided before the chunk is posted: once it is, the loop may end and
+            # release its sessions while this thread is still here.
+            fit = 0 if ends else _steps_that_fit(sessions)
             if not fit:
-                return chunk
-            post(chunk)
+                post(chunk)
+                return
+            pending = chunk
             # A prompt chunk costs many decode steps: the next chunk is sized by
             # the loop's estimate then (one step until there is one).
             per_step = (
@@ -276,7 +295,7 @@ class TurnLoop:
         return max(1, min(fit, _chunk_steps(self._step_seconds, len(sessions))))
 
     def _took_chunk(self, ready: list[ItemState], chunk: _Chunk) -> None:
-        """A chunk posted by a run still going: stream its tokens now."""
+        """A chunk posted by a run: stream its tokens, and end what it ended."""
         try:
             self._took(ready, chunk)
         except Exception:  # a callback's exception would only reach asyncio's handler
