@@ -236,12 +236,12 @@ class TurnLoop:
         Each chunk is posted to the loop, which streams its tokens while the next
         one runs: the model does not wait for the loop between chunks (on short
         steps that wait was a third of the daemon's time). The run ends, after
-        posting its last chunk, when a session finishes or
-        fails (its release is the loop's, when no step is in flight), when the
-        next step does not fit a session's bucket (growth is the coordinator's,
-        between runs), when the loop is wanted (poke: an arrival, a cancel, a
-        growth done), when a prefill that items wait for has got there (they start
-        on a copy of it between runs) or after _MAX_RUN_SECONDS.
+        posting its last chunk, when a session finishes or fails (its release is
+        the loop's, when no step is in flight), when the next step does not fit a
+        session's bucket (growth is the coordinator's, between runs), when the loop
+        is wanted (poke: an arrival, a cancel, a growth done), when a prefill that
+        items wait for has got there (they start on a copy of it between runs) or
+        after _MAX_RUN_SECONDS.
         """
         started = time.perf_counter()
         prefix = self.prefix
