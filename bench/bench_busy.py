@@ -10,7 +10,10 @@ against the Engine, at N = 1, 16, 64, 256 sessions, tokens checked equal on ever
   shape), in this process.
 - **kvmuxd**: one job of the N items through :class:`kvmux.client.Client` to a
   ``kvmuxd`` subprocess (``max_active_sessions`` = N), timed from the submit to the
-  last result.
+  last result; submitted with ``stream=False``, results only, as the Engine side
+  hands its tokens over.
+- **streamed**: the same job with token updates streamed to the client as they are
+  made (``stream=True``, the client's default).
 
 Every side: prompt 32 random tokens + 128 new, greedy, EOS ignored, one onnxruntime
 intra-op thread, first bucket 256 (nobody grows). Sides interleave, their order
@@ -242,19 +245,27 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 # startup heap is frozen (Daemon.run), does not pay. Frozen alike.
                 gc.collect()
                 gc.freeze()
-                walls: dict[str, list[float]] = {"bare": [], "engine": [], "kvmuxd": []}
+                walls: dict[str, list[float]] = {
+                    "bare": [],
+                    "engine": [],
+                    "kvmuxd": [],
+                    "streamed": [],
+                }
                 want: list[list[int]] | None = None
                 order = list(walls)
                 # A measurement of N < 16 runs the same N items that many times over,
                 # one after another: a single short run is mostly noise here.
                 inner = max(1, 16 // n)
                 for rep in range(args.repeats):
-                    for side in order[rep % 3 :] + order[: rep % 3]:
+                    turn = rep % len(order)
+                    for side in order[turn:] + order[:turn]:
                         wall = 0.0
                         for _ in range(inner):
-                            if side == "kvmuxd":
+                            if side in ("kvmuxd", "streamed"):
                                 t0 = time.perf_counter()
-                                r = await run_daemon(client, prompts, NEW)
+                                r = await run_daemon(
+                                    client, prompts, NEW, stream=side == "streamed"
+                                )
                                 wall += time.perf_counter() - t0
                                 got = [r.tokens[i] for i in range(n)]
                             elif side == "engine":
@@ -291,6 +302,9 @@ def summarize(n: int, graphs: bool, walls: dict[str, list[float]]) -> dict[str, 
         "kvmuxd_over_engine": [
             e / d for d, e in zip(walls["kvmuxd"], walls["engine"], strict=True)
         ],
+        "streamed_over_engine": [
+            e / d for d, e in zip(walls["streamed"], walls["engine"], strict=True)
+        ],
     }
     return {
         "n": n,
@@ -299,6 +313,7 @@ def summarize(n: int, graphs: bool, walls: dict[str, list[float]]) -> dict[str, 
         "walls_s": walls,
         "engine_over_bare": tps["engine"] / tps["bare"],
         "kvmuxd_over_engine": tps["kvmuxd"] / tps["engine"],
+        "streamed_over_engine": tps["streamed"] / tps["engine"],
         "per_repeat": per_rep,
     }
 
@@ -307,12 +322,13 @@ def print_row(r: dict[str, Any]) -> None:
     t = r["tokens_per_s"]
     reps = " ".join(f"{x:.2f}" for x in r["per_repeat"]["engine_over_bare"])
     repd = " ".join(f"{x:.2f}" for x in r["per_repeat"]["kvmuxd_over_engine"])
+    reps_s = " ".join(f"{x:.2f}" for x in r["per_repeat"]["streamed_over_engine"])
     print(
         f"N={r['n']:>3} graphs={'on' if r['graphs'] else 'off':<3} "
-        f"tokens/s: bare {t['bare']:>8.0f} "
-        f"engine {t['engine']:>8.0f} kvmuxd {t['kvmuxd']:>8.0f} | engine/bare "
+        f"tokens/s: bare {t['bare']:>8.0f} engine {t['engine']:>8.0f} "
+        f"kvmuxd {t['kvmuxd']:>8.0f} streamed {t['streamed']:>8.0f} | engine/bare "
         f"{r['engine_over_bare']:.3f} ({reps}) | kvmuxd/engine {r['kvmuxd_over_engine']:.3f} "
-        f"({repd})",
+        f"({repd}) | streamed/engine {r['streamed_over_engine']:.3f} ({reps_s})",
         flush=True,
     )
 
@@ -337,7 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         f"greedy; {args.threads} intra-op thread(s); bucket {BUCKET}; {args.repeats} repeats"
     )
     result = anyio.run(bench, args)
-    goals = {"engine_over_bare": (0.85, {16, 64, 256}), "kvmuxd_over_engine": (0.90, {1, 16, 256})}
+    # kvmuxd's goal is judged results only, as the Engine side works; the streamed
+    # side is held to the same figure and printed beside it, so neither hides.
+    goals = {
+        "engine_over_bare": (0.85, {16, 64, 256}),
+        "kvmuxd_over_engine": (0.90, {1, 16, 256}),
+        "streamed_over_engine": (0.90, {1, 16, 256}),
+    }
     for r in result["rows"]:
         for key, (goal, ns) in goals.items():
             if r["n"] in ns:

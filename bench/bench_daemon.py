@@ -339,18 +339,20 @@ def greedy_items(prompts: list[list[int]], n_new: int) -> list[Item]:
     ]
 
 
-async def run_daemon(client: Client, prompts: list[list[int]], n_new: int) -> Run:
+async def run_daemon(
+    client: Client, prompts: list[list[int]], n_new: int, *, stream: bool = True
+) -> Run:
     """One job of N greedy items through the client; latencies as the client sees them."""
-    return await run_items(client, greedy_items(prompts, n_new), "daemon")
+    return await run_items(client, greedy_items(prompts, n_new), "daemon", stream=stream)
 
 
-async def run_items(client: Client, items: list[Item], name: str) -> Run:
+async def run_items(client: Client, items: list[Item], name: str, *, stream: bool = True) -> Run:
     """One job of ``items`` through the client; TTFT and per-token latencies as the
-    client sees them, from the submit."""
+    client sees them, from the submit (none without ``stream``: results only)."""
     run = Run(name, 0.0, {})
     t0 = time.perf_counter()
     clock = _Clock(t0, run)
-    job = await client.submit(items)
+    job = await client.submit(items, stream=stream)
     async for ev in job.events():
         now = time.perf_counter()
         if isinstance(ev, p.TokenDelta):

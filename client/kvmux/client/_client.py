@@ -297,12 +297,15 @@ class Client:
         more: bool = False,
         format: Format = "kvmux",
         keep_results: bool = True,
+        stream: bool = True,
     ) -> Job:
         """Submit a job. Items are checked locally first (:class:`BadRequest` names the item).
 
         ``rejected`` lines become error results of the job (so whoever collects it
-        sees them); ``more`` keeps it open for :meth:`Job.add`. A file of any size:
-        :meth:`submit_stream`."""
+        sees them); ``more`` keeps it open for :meth:`Job.add`. ``stream`` false:
+        its events carry no :class:`~kvmux.client.protocol.TokenDelta`, only starts
+        and results (the daemon then does no per-token work for it). A file of any
+        size: :meth:`submit_stream`."""
         checked = _checked(items)
         reply = await self._request(
             p.Submit(
@@ -313,6 +316,7 @@ class Client:
                 format=format,
                 rejected=list(rejected),
                 more=more,
+                stream=stream,
             )
         )
         assert isinstance(reply, p.Accepted)
@@ -331,21 +335,29 @@ class Client:
         keep_results: bool = True,
         on_wait: Callable[[float], None] | None = None,
         on_added: Callable[[Chunk, int], None] | None = None,
+        stream: bool = True,
     ) -> Job:
         """One job from any number of entries: items, and lines that could not be parsed
         (anything with ``line``, ``reason``, ``custom_id``), sent a bounded message at a
         time; returns once all were added (its events are queued meanwhile)."""
         job = await self.submit(
-            [], detach=detach, name=name, more=True, format=format, keep_results=keep_results
+            [],
+            detach=detach,
+            name=name,
+            more=True,
+            format=format,
+            keep_results=keep_results,
+            stream=stream,
         )
         await job.add_all(entries, on_wait=on_wait, on_added=on_added)
         return job
 
-    async def attach(self, job_id: str, *, keep_results: bool = True) -> Job:
+    async def attach(self, job_id: str, *, keep_results: bool = True, stream: bool = True) -> Job:
         """Re-attach to a job (e.g. submitted with ``detach=True`` by an earlier client).
 
-        Its live events follow; :meth:`Job.results` also fetches what finished before."""
-        reply = await self._request(p.Attach(id=0, job_id=job_id))
+        Its live events follow (token updates only with ``stream``, as in
+        :meth:`submit`); :meth:`Job.results` also fetches what finished before."""
+        reply = await self._request(p.Attach(id=0, job_id=job_id, stream=stream))
         assert isinstance(reply, p.Attached)
         job = self._handles.pop(reply.id)
         _keep(job, keep_results)

@@ -153,7 +153,12 @@ class Submit(_Request, tag="submit", frozen=True):
     (a file of any size streams in a bounded piece at a time) until one with
     ``last``. ``rejected`` lines become error results of the job, numbered
     after its items. ``format`` is how its results are written out (the input
-    file's shape), kept with the job for whoever collects them later."""
+    file's shape), kept with the job for whoever collects them later.
+
+    ``stream`` false: this client takes no :class:`TokenDelta` events, only the
+    starts and the results (OpenAI's ``stream: false``). While none of a job's
+    clients takes them, the daemon builds none and decodes each item's text once,
+    at its end."""
 
     items: Annotated[list[Item], Meta(max_length=1 << 16)]
     detach: bool = False
@@ -163,6 +168,7 @@ class Submit(_Request, tag="submit", frozen=True):
         default_factory=list
     )
     more: bool = False
+    stream: bool = True
 
 
 class AddItems(_Request, tag="add_items", frozen=True):
@@ -190,9 +196,12 @@ class Attach(_Request, tag="attach", frozen=True):
 
     Results that finished before come from :class:`Results`, a page at a time.
     Clients already attached keep receiving events; a job not detached is
-    cancelled when the last client attached to it goes away."""
+    cancelled when the last client attached to it goes away. ``stream`` as in
+    :class:`Submit`, for this client (attaching again changes it); text produced
+    while no client took token updates comes with the next update."""
 
     job_id: JobId
+    stream: bool = True
 
 
 class Results(_Request, tag="results", frozen=True):

@@ -517,8 +517,8 @@ class Server:
             case p.Cancel(job_id=job_id):
                 service.cancel(job_id, caller=caller)
                 self.send(ident, p.Ack(id=req.id))
-            case p.Attach(job_id=job_id):
-                job = service.attach(peer, job_id, caller=caller)
+            case p.Attach(job_id=job_id, stream=stream):
+                job = service.attach(peer, job_id, caller=caller, stream=stream)
                 self.send(
                     ident,
                     p.Attached(
@@ -571,6 +571,7 @@ class Server:
                     name=req.name,
                     format=req.format,
                     more=req.more,
+                    stream=req.stream,
                     still_wanted=lambda: self.alive(ident),
                 )
                 if job is None:

@@ -69,12 +69,14 @@ class Service:
         more: bool = False,
         still_wanted: Callable[[], bool] | None = None,
         transient: bool = False,
+        stream: bool = True,
     ) -> JobState | None:
         """A new job owned by ``caller``, its events to ``sink``. Whole-job refusals
         raise; an invalid item fails alone. ``more`` keeps it open for
         :meth:`add_items`. None if ``still_wanted`` says, once the items are checked,
         that the client is gone. A ``transient`` job (one HTTP request's) is neither
-        journaled nor retained once done: nobody could come back for it."""
+        journaled nor retained once done: nobody could come back for it. ``stream``:
+        whether ``sink`` takes token updates."""
         return await self.scheduler.submit(
             sink,
             items,
@@ -86,6 +88,7 @@ class Service:
             more=more,
             still_wanted=still_wanted,
             transient=transient,
+            stream=stream,
         )
 
     async def add_items(
@@ -104,9 +107,10 @@ class Service:
             sink, job_id, items, caller=caller, rejected=list(rejected), last=last
         )
 
-    def attach(self, sink: Sink, job_id: str, *, caller: Caller) -> JobState:
-        """Add ``sink`` to the job's audience: its events from now on."""
-        return self.scheduler.jobs.attach(sink, job_id, caller)
+    def attach(self, sink: Sink, job_id: str, *, caller: Caller, stream: bool = True) -> JobState:
+        """Add ``sink`` to the job's audience: its events from now on (token updates
+        only with ``stream``)."""
+        return self.scheduler.jobs.attach(sink, job_id, caller, stream=stream)
 
     def find(self, job_id: str, *, caller: Caller) -> JobState:
         return self.scheduler.jobs.find(job_id, caller)

@@ -140,8 +140,9 @@ class KvmuxReplica:
         jobs: list[Any] = []
 
         async def run() -> list[p.ItemResult]:
+            # Results only: no token updates are built or sent for a Ray batch.
             job = await client.submit_stream(
-                todo, name="kvmux-ray", format=self.format, keep_results=True
+                todo, name="kvmux-ray", format=self.format, keep_results=True, stream=False
             )
             jobs.append(job)
             return await job.results()

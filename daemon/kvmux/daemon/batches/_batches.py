@@ -483,7 +483,7 @@ class Batches:
                     record, [BatchError("job_lost", f"its job {record.job_id} is gone")]
                 )
                 return
-            self.service.attach(sink, job.job_id, caller=OPERATOR)
+            self.service.attach(sink, job.job_id, caller=OPERATOR, stream=False)
             sink.recount(job.results())
         elif not record.stop:
             job = await self.service.submit(
@@ -494,6 +494,7 @@ class Batches:
                 detach=True,
                 name=f"batch {record.id}",
                 format="openai",
+                stream=False,  # it counts results: no token updates built for it
             )
             assert job is not None
             record.job_id = job.job_id

@@ -59,11 +59,10 @@ class _Envelope(msgspec.Struct):
 
 class Collector:
     """One request's sink: its job's events until the request takes them. Token
-    updates of an item not taken yet are merged (``keep_tokens``: a stream's), or
-    not kept at all (an answer wants only the results)."""
+    updates of an item not taken yet are merged; only a stream's job sends them (an
+    answer wants only the results, and its job is submitted with ``stream`` false)."""
 
-    def __init__(self, *, keep_tokens: bool) -> None:
-        self.keep_tokens = keep_tokens
+    def __init__(self) -> None:
         self.pending: list[p.Event] = []
         self._delta_at: dict[int, int] = {}
         self._wake = asyncio.Event()
@@ -75,8 +74,6 @@ class Collector:
         for event in events:
             match event:
                 case p.TokenDelta(index=index):
-                    if not self.keep_tokens:
-                        continue
                     at = self._delta_at.get(index)
                     if at is not None:
                         before = self.pending[at]
@@ -122,8 +119,10 @@ async def _complete(request: Request, url: str) -> Response:
     envelope = msgspec.convert(body, _Envelope)
     model = front.served_model(envelope.model)
     items = body_items(url, body)
-    collector = Collector(keep_tokens=envelope.stream)
-    job = await front.service.submit(collector, items, caller=caller_of(request), transient=True)
+    collector = Collector()
+    job = await front.service.submit(
+        collector, items, caller=caller_of(request), transient=True, stream=envelope.stream
+    )
     assert job is not None  # no still_wanted: always a job
     service = front.service
     if not envelope.stream:

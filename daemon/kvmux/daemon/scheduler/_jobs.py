@@ -122,6 +122,9 @@ class JobState:
     name: str
     owner: str  # who may see and act on it (see kvmux.daemon.access)
     items: list[ItemState] = field(default_factory=list)
+    # Those of its clients that take token updates (Submit/Attach ``stream``). While
+    # there are none, no update is built and the items' text is decoded at their end.
+    streams: list[Sink] = field(default_factory=list)
     # Takes more items (AddItems) until closed; it finishes only once closed.
     open: bool = False
     # One HTTP request's: neither journaled nor retained once done (nobody could
@@ -280,11 +283,18 @@ class JobTable:
             )
         return job
 
-    def attach(self, client: Sink, job_id: str, caller: Caller = OPERATOR) -> JobState:
-        """Add ``client`` to the job's audience (the others keep theirs)."""
+    def attach(
+        self, client: Sink, job_id: str, caller: Caller = OPERATOR, *, stream: bool = True
+    ) -> JobState:
+        """Add ``client`` to the job's audience (the others keep theirs); ``stream``:
+        whether it takes token updates (attaching again changes that)."""
         job = self.find(job_id, caller)
         if client not in job.clients:
             job.clients.append(client)
+        if client in job.streams and not stream:
+            job.streams.remove(client)
+        elif stream and client not in job.streams:
+            job.streams.append(client)
         return job
 
     def detach(self, job_id: str, caller: Caller = OPERATOR) -> None:

@@ -577,23 +577,25 @@ class TurnLoop:
         # After a preemption the item replays from its start: only what goes
         # beyond what its clients were already sent is new to them.
         skip_tokens = max(0, state.sent_tokens - state.seen_tokens)
-        skip_text = max(0, state.sent_text - state.seen_text)
         state.seen_tokens += len(out.token_ids)
-        state.seen_text += len(out.text)
         state.sent_tokens = max(state.sent_tokens, state.seen_tokens)
-        state.sent_text = max(state.sent_text, state.seen_text)
-        token_ids, text = out.token_ids[skip_tokens:], out.text[skip_text:]
-        if token_ids or text:
-            self.tokens_generated += len(token_ids)
-            self.outbox.emit(
-                state.job,
-                TokenDelta(
-                    job_id=state.job.job_id,
-                    index=state.index,
-                    token_ids=token_ids,
-                    text=text,
-                ),
-            )
+        token_ids = out.token_ids[skip_tokens:]
+        self.tokens_generated += len(token_ids)
+        job = state.job
+        if job.streams:
+            # Read only for a client that takes it: unread, the text waits in the
+            # session, decoded once at the item's end or with the next update.
+            skip_text = max(0, state.sent_text - state.seen_text)
+            state.seen_text += len(out.text)
+            state.sent_text = max(state.sent_text, state.seen_text)
+            text = out.text[skip_text:]
+            if token_ids or text:
+                self.outbox.emit_tokens(
+                    job,
+                    TokenDelta(
+                        job_id=job.job_id, index=state.index, token_ids=token_ids, text=text
+                    ),
+                )
         if out.finished:
             assert state.session is not None
             self._finish(state, result=completed_result(state, state.session.completion()))

@@ -33,6 +33,11 @@ class Outbox:
         for client in job.clients:
             self._events.setdefault(client, []).append(event)
 
+    def emit_tokens(self, job: JobState, event: Event) -> None:
+        """A token update, to the clients that take them."""
+        for client in job.streams:
+            self._events.setdefault(client, []).append(event)
+
     def flush(self) -> None:
         """One message per client for everything this turn produced."""
         if not self._events:
@@ -85,6 +90,8 @@ def error_result(state: ItemState, error: Exception) -> ItemResult:
     session = state.session
     if session is None or not isinstance(error, Cancelled | ShuttingDown) or not session.generated:
         return result
+    if session.defers_text:
+        session.drain_text()  # what no client took as an update (``stream`` false)
     session.stream.finish()  # what the decoder held back (a partial character) too
     details = {**info.details, "partial": True}
     return msgspec.structs.replace(

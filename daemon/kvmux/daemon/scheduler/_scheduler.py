@@ -59,13 +59,15 @@ class Scheduler(TurnLoop):
         more: bool = False,
         still_wanted: Callable[[], bool] | None = None,
         transient: bool = False,
+        stream: bool = True,
     ) -> JobState | None:
         """Validate and enqueue a job. Whole-job refusals raise; a bad item fails alone.
 
         With ``more`` the job stays open for :meth:`add_items`. None if
         ``still_wanted`` says, once the items are checked, that the client is gone:
         a job nobody can learn the id of is never started. A ``transient`` job is
-        neither journaled nor retained once done."""
+        neither journaled nor retained once done. ``stream``: whether ``client``
+        takes token updates."""
         if self.draining:
             raise ShuttingDown("kvmuxd is shutting down and admits no new jobs")
         if not items and not rejected and not more:
@@ -86,6 +88,7 @@ class Scheduler(TurnLoop):
         job = JobState(
             job_id=secrets.token_hex(6),
             clients=[client],
+            streams=[client] if stream else [],
             detached=detach,
             name=name,
             owner=owner,
@@ -334,6 +337,8 @@ class Scheduler(TurnLoop):
         detached) that nobody else is attached to."""
         gone = []
         for job in self.jobs.live.values():
+            if client in job.streams:
+                job.streams.remove(client)
             if client in job.clients:
                 job.clients.remove(client)
                 if not job.clients and not job.detached:

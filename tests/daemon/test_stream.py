@@ -1,0 +1,133 @@
+"""``stream`` false: a client that wants only results gets no token updates, the same
+results, and its job's text decoded once at each item's end (issue 28, item 5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from kvmux.client import Item
+from kvmux.client import protocol as p
+from kvmux.daemon.engine import Engine
+from kvmux.kv import failpoints
+
+from .conftest import connected, make_config, running
+
+pytestmark = pytest.mark.anyio
+
+
+def _items() -> list[Item]:
+    return [
+        Item(custom_id="greedy", prompt="once upon", max_new_tokens=40, ignore_eos=True),
+        Item(
+            custom_id="sampled",
+            prompt="a time",
+            max_new_tokens=40,
+            temperature=0.9,
+            seed=7,
+            ignore_eos=True,
+        ),
+        # Stop strings are looked for on the model thread, which decodes as it goes.
+        Item(custom_id="stops", prompt="there", max_new_tokens=40, stop=["zq"]),
+    ]
+
+
+async def _events(job: object) -> list[p.Event]:
+    return [ev async for ev in job.events()]  # type: ignore[attr-defined]
+
+
+async def test_a_job_without_stream_gets_the_same_results_and_no_token_updates(
+    tiny_model: Path, sock_dir: Path, reference: Engine
+) -> None:
+    async with running(make_config(tiny_model, sock_dir)) as daemon, connected(daemon) as client:
+        quiet = await client.submit(_items(), stream=False)
+        quiet_events = await _events(quiet)
+        streamed = await client.submit(_items())
+        streamed_events = await _events(streamed)
+        status = await client.status()
+    kinds = [type(ev).__name__ for ev in quiet_events]
+    assert "TokenDelta" not in kinds
+    assert kinds.count("ItemStarted") == 3 and kinds.count("ItemFinished") == 3
+    assert kinds[-1] == "JobFinished"
+    results = {
+        ev.result.custom_id: ev.result for ev in quiet_events if isinstance(ev, p.ItemFinished)
+    }
+    want = {
+        ev.result.custom_id: ev.result for ev in streamed_events if isinstance(ev, p.ItemFinished)
+    }
+    assert all(r.status == "ok" for r in results.values())
+    for name, r in results.items():
+        assert (r.token_ids, r.text) == (want[name].token_ids, want[name].text), name
+        # The text is the whole decode of the tokens, not only the last chunk's.
+        assert r.text == reference.tokenizer.decode(r.token_ids), name
+    # The streamed job's updates add up to its results.
+    for index in range(3):
+        deltas = [
+            ev for ev in streamed_events if isinstance(ev, p.TokenDelta) and ev.index == index
+        ]
+        result = next(r for r in want.values() if r.index == index)
+        assert [t for d in deltas for t in d.token_ids] == result.token_ids
+        assert "".join(d.text for d in deltas) == result.text
+    assert status.kv_bytes_in_use == 0
+
+
+async def test_a_client_attaching_with_stream_gets_the_rest_of_a_quiet_job(
+    tiny_model: Path, sock_dir: Path
+) -> None:
+    """The submitter takes no updates; a second client attaches with ``stream`` and
+    gets every token from then on, and the text that nobody took before comes with
+    its first update. The submitter never gets one."""
+    item = Item(custom_id="long", prompt="go on", max_new_tokens=300, ignore_eos=True)
+    failpoints.slow("engine.step", 0.002)
+    try:
+        async with (
+            running(make_config(tiny_model, sock_dir)) as daemon,
+            connected(daemon) as submitter,
+            connected(daemon) as watcher,
+        ):
+            job = await submitter.submit([item], stream=False)
+            async for ev in job.events():
+                if isinstance(ev, p.ItemStarted):
+                    break
+            await anyio.sleep(0.2)  # some tokens go by with nobody taking them
+            watched = await watcher.attach(job.job_id)
+            deltas = [ev for ev in await _events(watched) if isinstance(ev, p.TokenDelta)]
+            rest = await _events(job)
+    finally:
+        failpoints.disarm()
+    [result] = [ev.result for ev in rest if isinstance(ev, p.ItemFinished)]
+    assert result.status == "ok" and len(result.token_ids) == 300
+    assert not any(isinstance(ev, p.TokenDelta) for ev in rest)
+    ids = [t for d in deltas for t in d.token_ids]
+    text = "".join(d.text for d in deltas)
+    assert 0 < len(ids) < 300  # it attached mid-item
+    assert result.token_ids[-len(ids) :] == ids
+    # Nobody had read the text before: the first update carried all of it.
+    assert text == result.text
+
+
+async def test_a_quiet_item_cancelled_mid_decode_keeps_all_its_text(
+    tiny_model: Path, sock_dir: Path, reference: Engine
+) -> None:
+    item = Item(custom_id="long", prompt="go on", max_new_tokens=1500, ignore_eos=True)
+    failpoints.slow("engine.step", 0.002)
+    try:
+        async with (
+            running(make_config(tiny_model, sock_dir)) as daemon,
+            connected(daemon) as client,
+        ):
+            job = await client.submit([item], stream=False)
+            async for ev in job.events():
+                if isinstance(ev, p.ItemStarted):
+                    break
+            await anyio.sleep(0.2)
+            await client.cancel(job.job_id)
+            [result] = await job.results()
+    finally:
+        failpoints.disarm()
+    assert result.error is not None and result.error.code == "cancelled"
+    assert result.error.details["partial"] is True
+    assert 0 < len(result.token_ids) < 1500
+    assert result.text == reference.tokenizer.decode(result.token_ids)
