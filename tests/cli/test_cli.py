@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -94,6 +95,9 @@ def test_mixed_batch_gives_one_result_per_line_and_exit_2(kvmuxd: Kvmuxd, tmp_pa
     assert "line 7 (too-long): kv_capacity_exceeded" in proc.stderr
     assert "9/9 items, 3 failed" in proc.stderr
     assert ANSI not in proc.stderr and BAR not in proc.stderr
+    # Without a bar the job takes no token updates: its tokens count from the results.
+    rate = re.search(r"([\d,]+) tok/s", proc.stderr)
+    assert rate is not None and int(rate[1].replace(",", "")) > 0, proc.stderr
 
 
 def test_detach_then_results_collects_every_result(kvmuxd: Kvmuxd, tmp_path: Path) -> None:

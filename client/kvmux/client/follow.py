@@ -32,7 +32,7 @@ async def results_through_restarts(
             async with Client(endpoint, timeout=timeout, curve=curve) as client:
                 while True:
                     try:
-                        job = await client.attach(job_id)
+                        job = await client.attach(job_id, stream=False)
                         break
                     except NotReady:  # back, still loading its model and journal
                         if gone_since is not None and time.monotonic() - gone_since > wait_daemon:

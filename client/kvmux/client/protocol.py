@@ -146,7 +146,7 @@ class Hello(_Request, tag="hello", frozen=True):
     client: Annotated[str, Meta(max_length=128)] = ""
 
 
-class Submit(_Request, tag="submit", frozen=True):
+class Submit(_Request, tag="submit", frozen=True, omit_defaults=True):
     """A job: a batch of items. ``detach`` keeps it running if this client goes away.
 
     With ``more``, the job stays open: :class:`AddItems` appends further items
@@ -168,6 +168,8 @@ class Submit(_Request, tag="submit", frozen=True):
         default_factory=list
     )
     more: bool = False
+    # Defaults are left out on the wire (omit_defaults): a daemon that predates a
+    # field still takes a request that does not use it.
     stream: bool = True
 
 
@@ -191,7 +193,7 @@ class Cancel(_Request, tag="cancel", frozen=True):
     job_id: JobId
 
 
-class Attach(_Request, tag="attach", frozen=True):
+class Attach(_Request, tag="attach", frozen=True, omit_defaults=True):
     """(Re-)attach to a job: its tally now, its live events from here on.
 
     Results that finished before come from :class:`Results`, a page at a time.

@@ -101,7 +101,9 @@ async def submit(args: argparse.Namespace) -> int:
         try:
             # Detached only once every line is in: an interrupted upload is cancelled.
             job = await conn.when_ready(
-                lambda: conn.client.submit([], more=True, name=name, keep_results=False, format=fmt)
+                lambda: conn.client.submit(
+                    [], more=True, name=name, keep_results=False, format=fmt, stream=reporter.live
+                )
             )
             feed = _Feed(Feeder(itertools.chain(head, rest), conn.client), reporter)
             reporter.start(job.job_id, 0)
@@ -159,7 +161,9 @@ async def results(args: argparse.Namespace) -> int:
         job_id = args.job_id
         try:
             try:
-                job = await conn.when_ready(lambda: conn.client.attach(job_id, keep_results=False))
+                job = await conn.when_ready(
+                    lambda: conn.client.attach(job_id, keep_results=False, stream=reporter.live)
+                )
                 fmt = resolve_format(args.format, job.format == "openai")
                 stdout = None if args.out is not None else reporter.stdout_writer()
                 outputs = open_outputs(fmt, args.out, args.errors, stdout)
@@ -358,6 +362,8 @@ async def _collect(
             return
         seen[index] = 1
         writer.result(result)
+        if not reporter.live:  # no token updates: its tokens count as it ends
+            reporter.tokens(len(result.token_ids))
         label = None
         if result.error is not None:
             label = failure_label(

@@ -72,6 +72,10 @@ def failure_label(
 class Reporter:
     """Plain-line progress on a stream; the base of the terminal one."""
 
+    #: Shows a live token rate: its jobs take token updates (``stream``); without
+    #: one, tokens are counted from the results and the daemon sends no updates.
+    live = False
+
     def __init__(self, stream: IO[str] | None = None, *, quiet: bool = False) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.quiet = quiet
@@ -167,6 +171,8 @@ class _Failures(ProgressColumn):
 
 class TerminalReporter(Reporter):
     """A rich progress bar on a terminal; failures and notes print above it."""
+
+    live = True
 
     def __init__(self, console: Console, *, stdout_is_terminal: bool) -> None:
         super().__init__(console.file)
