@@ -16,8 +16,8 @@ against the Engine, at N = 1, 16, 64, 256 sessions, tokens checked equal on ever
   made (``stream=True``, the client's default).
 
 Every side: prompt 32 random tokens + 128 new, greedy, EOS ignored, one onnxruntime
-intra-op thread, first bucket 256 (nobody grows). Sides interleave, their order
-rotating each repeat; ratios are of the medians, and per repeat.
+intra-op thread, first bucket 256 (nobody grows). Sides interleave job by job,
+their order rotating each repeat; ratios are of the medians, and per repeat.
 
     python -m bench.bench_busy [--quick] [--sizes 1,16,64,256] [--repeats 3]
     python -m bench.bench_busy --provider cuda --model small --dtype float16 [--graphs on|off|both]
@@ -48,6 +48,9 @@ PROMPT = 32
 NEW = 128
 BUCKET = 256
 _BARE_GRAPH_IDS = itertools.count(1_000_000)  # far from the engines' own ids
+# Orders of the four sides in which each follows each other one once (a Williams
+# square): what a side inherits from the one before it evens out.
+_BALANCED = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))
 
 
 def prompts_for(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -257,32 +260,38 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 # one after another: a single short run is mostly noise here.
                 inner = max(1, 16 // n)
                 for rep in range(args.repeats):
-                    turn = rep % len(order)
-                    for side in order[turn:] + order[:turn]:
-                        wall = 0.0
-                        for _ in range(inner):
+                    wall = dict.fromkeys(order, 0.0)
+                    # The sides take turns job by job, not one side's inner jobs in a
+                    # row: this VM's slow spells last longer than a job of N = 1. And
+                    # each side follows each other one equally often (a daemon job
+                    # right after another one found the daemon awake: with a fixed
+                    # cycle, streamed always did and looked 5% faster at N = 1).
+                    for i in range(inner):
+                        for k in _BALANCED[(rep * inner + i) % len(_BALANCED)]:
+                            side = order[k]
                             if side in ("kvmuxd", "streamed"):
                                 t0 = time.perf_counter()
                                 r = await run_daemon(
                                     client, prompts, NEW, stream=side == "streamed"
                                 )
-                                wall += time.perf_counter() - t0
+                                wall[side] += time.perf_counter() - t0
                                 got = [r.tokens[i] for i in range(n)]
                             elif side == "engine":
                                 w, got = await anyio.to_thread.run_sync(
                                     run_engine, engine, prompts, args.chunk
                                 )
-                                wall += w
+                                wall[side] += w
                             else:
                                 w, got = await anyio.to_thread.run_sync(
                                     run_bare, engine, prompts, graphs
                                 )
-                                wall += w
+                                wall[side] += w
                             if want is None:
                                 want = got
                             elif got != want:
                                 raise AssertionError(f"N={n}: {side} decoded other tokens")
-                        walls[side].append(wall / inner)
+                    for side in order:
+                        walls[side].append(wall[side] / inner)
                 row = summarize(n, graphs, walls)
                 rows.append(row)
                 print_row(row)
