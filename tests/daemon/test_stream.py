@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from kvmux.client import Item
+from kvmux.client import Client, Item, Job
 from kvmux.client import protocol as p
 from kvmux.daemon.engine import Engine
 from kvmux.kv import failpoints
@@ -34,8 +34,19 @@ def _items() -> list[Item]:
     ]
 
 
-async def _events(job: object) -> list[p.Event]:
-    return [ev async for ev in job.events()]  # type: ignore[attr-defined]
+async def _events(job: Job) -> list[p.Event]:
+    return [ev async for ev in job.events()]
+
+
+async def _quiet_and_under_way(client: Client, item: Item) -> Job:
+    """``item`` submitted with ``stream`` false, once some of its tokens went by
+    (steps are slowed to 2 ms by the caller)."""
+    job = await client.submit([item], stream=False)
+    async for ev in job.events():
+        if isinstance(ev, p.ItemStarted):
+            break
+    await anyio.sleep(0.2)
+    return job
 
 
 async def test_a_job_without_stream_gets_the_same_results_and_no_token_updates(
@@ -87,11 +98,7 @@ async def test_a_client_attaching_with_stream_gets_the_rest_of_a_quiet_job(
             connected(daemon) as submitter,
             connected(daemon) as watcher,
         ):
-            job = await submitter.submit([item], stream=False)
-            async for ev in job.events():
-                if isinstance(ev, p.ItemStarted):
-                    break
-            await anyio.sleep(0.2)  # some tokens go by with nobody taking them
+            job = await _quiet_and_under_way(submitter, item)  # nobody takes its tokens
             watched = await watcher.attach(job.job_id)
             deltas = [ev for ev in await _events(watched) if isinstance(ev, p.TokenDelta)]
             rest = await _events(job)
@@ -118,11 +125,7 @@ async def test_a_quiet_item_cancelled_mid_decode_keeps_all_its_text(
             running(make_config(tiny_model, sock_dir)) as daemon,
             connected(daemon) as client,
         ):
-            job = await client.submit([item], stream=False)
-            async for ev in job.events():
-                if isinstance(ev, p.ItemStarted):
-                    break
-            await anyio.sleep(0.2)
+            job = await _quiet_and_under_way(client, item)
             await client.cancel(job.job_id)
             [result] = await job.results()
     finally:
