@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,11 @@ class KvSpec:
     head_dim: int
     dtype: str = "float32"
     mask_dtype: str | None = "int64"
+    # K and V of every layer for one token; the same plus the mask slot, for one
+    # token of capacity. Derived once: every allocation, release and charge reads
+    # them (~1-3 us each to compute, several times a session's start and end).
+    kv_bytes_per_token: int = field(init=False, repr=False, compare=False)
+    bytes_per_token: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim"):
@@ -36,21 +41,14 @@ class KvSpec:
                 raise ValueError(f"KvSpec.{name} must be a positive integer, got {value!r}")
         if self.dtype not in _STORAGE:
             raise ValueError(f"KvSpec.dtype must be one of {sorted(_STORAGE)}, got {self.dtype!r}")
+        kv = 2 * self.num_layers * self.kv_heads * self.head_dim * self.storage_dtype.itemsize
+        mask = 0 if self.mask_dtype is None else np.dtype(self.mask_dtype).itemsize
+        object.__setattr__(self, "kv_bytes_per_token", kv)
+        object.__setattr__(self, "bytes_per_token", kv + mask)
 
     @property
     def storage_dtype(self) -> np.dtype[np.generic]:
         return _STORAGE[self.dtype]
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.storage_dtype.itemsize
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of every layer plus the mask slot, for one token of capacity."""
-        mask = 0 if self.mask_dtype is None else np.dtype(self.mask_dtype).itemsize
-        return self.kv_bytes_per_token + mask
 
     def buffer_shape(self, capacity: int) -> tuple[int, int, int, int]:
         return (1, self.kv_heads, capacity, self.head_dim)
