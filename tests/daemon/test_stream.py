@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from kvmux.client import Client, Item, Job
 from kvmux.client import protocol as p
 from kvmux.daemon.engine import Engine
+from kvmux.daemon.scheduler import _loop
 from kvmux.kv import failpoints
 
 from .conftest import connected, make_config, running
@@ -134,3 +136,43 @@ async def test_a_quiet_item_cancelled_mid_decode_keeps_all_its_text(
     assert result.error.details["partial"] is True
     assert 0 < len(result.token_ids) < 1500
     assert result.text == reference.tokenizer.decode(result.token_ids)
+
+
+async def test_a_quiet_run_hands_its_chunks_to_the_loop_together(
+    tiny_model: Path, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each hand-over of a run's chunks wakes the event loop while the model runs. A
+    run that nobody streams hands a few sessions' chunks over together (same tokens:
+    the first test); a streamed run, or a quiet one of more sessions' outputs than
+    ``_QUIET_OUTPUTS``, hands them over chunk by chunk."""
+    item = Item(custom_id="long", prompt="go on", max_new_tokens=300, ignore_eos=True)
+    handed: list[int] = []  # chunks in each hand-over
+    # A first bucket that holds the whole item: no growth ends a run early.
+    config = make_config(tiny_model, sock_dir, kv={"min_bucket": 512})
+    async with running(config) as daemon, connected(daemon) as client:
+        scheduler = daemon.scheduler
+        assert scheduler is not None
+        took = scheduler._took_chunks
+
+        def counted(ready: list[object], chunks: list[object]) -> None:
+            handed.append(len(chunks))
+            took(ready, chunks)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(scheduler, "_took_chunks", counted)
+
+        async def handovers(items: list[Item], *, stream: bool) -> list[int]:
+            handed.clear()
+            events = await _events(await client.submit(items, stream=stream))
+            assert all(ev.result.status == "ok" for ev in events if isinstance(ev, p.ItemFinished))
+            return list(handed)
+
+        quiet = await handovers([item], stream=False)
+        streamed = await handovers([item], stream=True)
+        monkeypatch.setattr(_loop, "_QUIET_OUTPUTS", 2)
+        many = await handovers(
+            [msgspec.structs.replace(item, custom_id=f"{i}") for i in range(3)], stream=False
+        )
+    # 300 tokens take at least five chunks (of at most _MAX_CHUNK_STEPS steps).
+    assert set(streamed) == {1} and len(streamed) >= 5
+    assert sum(quiet) >= 5 and len(quiet) < sum(quiet), quiet
+    assert set(many) == {1} and len(many) >= 5

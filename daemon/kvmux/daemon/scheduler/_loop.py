@@ -46,6 +46,10 @@ _MIN_CHUNK_SECONDS = 0.010
 _CALL_SECONDS_PER_SESSION = 6e-6
 _CALL_SHARE = 0.05
 _MAX_CHUNK_STEPS = 64
+# While no client takes a run's token updates, its chunks wait for the run's end
+# until they hold this many sessions' outputs: below, the loop's wake-up costs
+# more than its work on them (~2-4 us each) would overlap the model's run.
+_QUIET_OUTPUTS = 64
 # However long the sessions could go on, a run returns to the loop after this
 # long: a safety net, since everything that changes the ready set stops it.
 _MAX_RUN_SECONDS = 0.25
@@ -69,6 +73,7 @@ class _Chunk(NamedTuple):
     steps: int
     seconds: float
     decoding: bool  # no session was prefilling: ``seconds`` is decode steps' time
+    at: float  # time.monotonic() when its steps were done (a first token's time)
 
 
 def _chunk_steps(per_step: float, sessions: int) -> int:
@@ -213,10 +218,11 @@ class TurnLoop:
             self._announce_opened()
             return False
         sessions = [state.session for state in ready if state.session is not None]
+        jobs = list({id(state.job): state.job for state in ready}.values())
         loop = asyncio.get_running_loop()
 
-        def post(chunk: _Chunk) -> None:
-            loop.call_soon_threadsafe(self._took_chunk, ready, chunk)
+        def post(chunks: list[_Chunk]) -> None:
+            loop.call_soon_threadsafe(self._took_chunks, ready, chunks)
 
         first = self._first_chunk(sessions)
         beside = self._announce_opened if self._opened else None
@@ -224,11 +230,15 @@ class TurnLoop:
         # call's own completion does (both are call_soon_threadsafe from the model
         # thread, in that order): the last one's results go out a wake-up sooner
         # than through the awaited future (~0.35 -> ~0.05 ms on this VM).
-        await self.worker.run_beside(beside, self._run, sessions, first, post)
+        await self.worker.run_beside(beside, self._run, sessions, first, post, jobs)
         return True
 
     def _run(
-        self, sessions: list[DecodeSession], steps: int, post: Callable[[_Chunk], None]
+        self,
+        sessions: list[DecodeSession],
+        steps: int,
+        post: Callable[[list[_Chunk]], None],
+        jobs: list[JobState],
     ) -> None:
         """A run, on the model thread: chunks of steps back to back, the first of
         ``steps``, while the ready set stays what it was.
@@ -242,28 +252,42 @@ class TurnLoop:
         is wanted (poke: an arrival, a cancel, a growth done), when a prefill that
         items wait for has got there (they start on a copy of it between runs) or
         after _MAX_RUN_SECONDS.
+
+        While no client of the run's jobs takes token updates, a few sessions'
+        chunks wait and go to the loop together (see _QUIET_OUTPUTS): each hand-over
+        wakes the loop and passes the GIL back and forth while the model runs, for
+        nothing a client would see.
         """
         started = time.perf_counter()
         prefix = self.prefix
-        pending: _Chunk | None = None
+        pending: list[_Chunk] = []
 
         def post_pending() -> None:
             nonlocal pending
-            if pending is not None:
+            if pending:
                 post(pending)
-                pending = None
+                pending = []
 
         while True:
             decoding = not any(s.prefilling for s in sessions)
+            # Read each chunk: a client may attach to take a quiet job's updates.
+            hand_over = (
+                any(job.streams for job in jobs) or len(pending) * len(sessions) >= _QUIET_OUTPUTS
+            )
             t = time.perf_counter()
             try:
-                # The chunk before goes to the loop as this one's first run starts: the
-                # loop's Python for it (~4 us a session) then overlaps the run, not the
-                # Python that prepares it, which would wait for the GIL meanwhile.
-                outputs = self.engine.step_many(sessions, steps, launching=post_pending)
-            finally:
+                # The chunks before go to the loop as this one's first run starts: the
+                # loop's Python for them (~4 us a session) then overlaps the run, not
+                # the Python that prepares it, which would wait for the GIL meanwhile.
+                outputs = self.engine.step_many(
+                    sessions, steps, launching=post_pending if hand_over else None
+                )
+            except BaseException:
+                post_pending()  # what the sessions did before is theirs to keep
+                raise
+            if hand_over:
                 post_pending()
-            chunk = _Chunk(outputs, steps, time.perf_counter() - t, decoding)
+            chunk = _Chunk(outputs, steps, time.perf_counter() - t, decoding, time.monotonic())
             ends = (
                 self._stop.is_set()
                 or not all(map(still_going, outputs))
@@ -275,10 +299,10 @@ class TurnLoop:
             # Decided before the chunk is posted: once it is, the loop may end and
             # release its sessions while this thread is still here.
             fit = 0 if ends else _steps_that_fit(sessions)
+            pending.append(chunk)
             if not fit:
-                post(chunk)
+                post_pending()
                 return
-            pending = chunk
             # A prompt chunk costs many decode steps: the next chunk is sized by
             # the loop's estimate then (one step until there is one).
             per_step = (
@@ -294,10 +318,11 @@ class TurnLoop:
         fit = _steps_that_fit(sessions)
         return max(1, min(fit, _chunk_steps(self._step_seconds, len(sessions))))
 
-    def _took_chunk(self, ready: list[ItemState], chunk: _Chunk) -> None:
-        """A chunk posted by a run: stream its tokens, and end what it ended."""
+    def _took_chunks(self, ready: list[ItemState], chunks: list[_Chunk]) -> None:
+        """Chunks posted by a run, in order: stream their tokens, end what they ended."""
         try:
-            self._took(ready, chunk)
+            for chunk in chunks:
+                self._took(ready, chunk)
         except Exception:  # a callback's exception would only reach asyncio's handler
             log.exception("scheduler_chunk_failed")
         self.outbox.flush()
@@ -313,7 +338,7 @@ class TurnLoop:
         ending = self._ending = _Ending()
         try:
             for state, out in zip(ready, chunk.outputs, strict=True):
-                self._after_step(state, out)
+                self._after_step(state, out, chunk.at)
         finally:
             self._ending = None
             # The results go out before the sessions' releases and log lines (~0.1 ms
@@ -566,12 +591,12 @@ class TurnLoop:
                 victim.failure = error
                 victim.phase = "failing"
 
-    def _after_step(self, state: ItemState, out: StepOutput | Exception) -> None:
+    def _after_step(self, state: ItemState, out: StepOutput | Exception, at: float) -> None:
         if isinstance(out, Exception):
             self._finish(state, error=out)
             return
         if out.token_ids and state.first_token_at is None:
-            state.first_token_at = time.monotonic()
+            state.first_token_at = at  # when it was drawn, not when the loop got to it
             if self.metrics is not None:
                 self.metrics.ttft.observe(state.first_token_at - state.job.created)
         # After a preemption the item replays from its start: only what goes
