@@ -39,6 +39,11 @@ log = structlog.get_logger("kvmux.scheduler")
 # model time (at most _MAX_CHUNK_STEPS steps): each hand-over wakes the loop,
 # so a chunk of one short step would pay a wake-up per token.
 _MIN_CHUNK_SECONDS = 0.010
+# A run nobody streams hands over no chunk on its own (see _QUIET_OUTPUTS), but each
+# chunk is a call into the engine (~40 us, and ~5-8 us a session, on this VM: 1.2% of
+# a 16-session job in 10 ms chunks). Its chunks are longer: the loop's poke waits for
+# the end of one, at most this long.
+_QUIET_CHUNK_SECONDS = 0.020
 # A call into the engine also pays once per session (reading its state, handing over
 # its tokens: ~6 us a session on this 2-core VM, against O(1) a step inside the call),
 # so a chunk lasts long enough that this stays about _CALL_SHARE of it: 10 ms up to
@@ -76,10 +81,11 @@ class _Chunk(NamedTuple):
     at: float  # time.monotonic() when its steps were done (a first token's time)
 
 
-def _chunk_steps(per_step: float, sessions: int) -> int:
-    """Steps for a chunk of ~_MIN_CHUNK_SECONDS or more (see _CALL_SHARE), given a
-    session's share of a step."""
-    seconds = max(_MIN_CHUNK_SECONDS, sessions * _CALL_SECONDS_PER_SESSION / _CALL_SHARE)
+def _chunk_steps(per_step: float, sessions: int, *, quiet: bool = False) -> int:
+    """Steps for a chunk of ~_MIN_CHUNK_SECONDS (_QUIET_CHUNK_SECONDS while nobody
+    streams) or more (see _CALL_SHARE), given a session's share of a step."""
+    least = _QUIET_CHUNK_SECONDS if quiet else _MIN_CHUNK_SECONDS
+    seconds = max(least, sessions * _CALL_SECONDS_PER_SESSION / _CALL_SHARE)
     return max(1, min(_MAX_CHUNK_STEPS, math.ceil(seconds / (sessions * per_step))))
 
 
@@ -224,7 +230,7 @@ class TurnLoop:
         def post(chunks: list[_Chunk]) -> None:
             loop.call_soon_threadsafe(self._took_chunks, ready, chunks)
 
-        first = self._first_chunk(sessions)
+        first = self._first_chunk(sessions, quiet=not any(job.streams for job in jobs))
         beside = self._announce_opened if self._opened else None
         # Every chunk, the last included, reaches the loop through post(), before the
         # call's own completion does (both are call_soon_threadsafe from the model
@@ -271,9 +277,8 @@ class TurnLoop:
         while True:
             decoding = not any(s.prefilling for s in sessions)
             # Read each chunk: a client may attach to take a quiet job's updates.
-            hand_over = (
-                any(job.streams for job in jobs) or len(pending) * len(sessions) >= _QUIET_OUTPUTS
-            )
+            streamed = any(job.streams for job in jobs)
+            hand_over = streamed or len(pending) * len(sessions) >= _QUIET_OUTPUTS
             t = time.perf_counter()
             try:
                 # The chunks before go to the loop as this one's first run starts: the
@@ -308,15 +313,18 @@ class TurnLoop:
             per_step = (
                 chunk.seconds / (chunk.steps * len(sessions)) if decoding else self._step_seconds
             )
-            steps = min(fit, _chunk_steps(per_step, len(sessions)) if per_step else 1)
+            if per_step:
+                steps = min(fit, _chunk_steps(per_step, len(sessions), quiet=not streamed))
+            else:
+                steps = 1
 
-    def _first_chunk(self, sessions: list[DecodeSession]) -> int:
+    def _first_chunk(self, sessions: list[DecodeSession], *, quiet: bool) -> int:
         """A run's first chunk, in steps: one while a session is prefilling (its
         first token goes out as soon as it is drawn) or before a step was timed."""
         if not self._step_seconds:
             return 1
         fit = _steps_that_fit(sessions)
-        return max(1, min(fit, _chunk_steps(self._step_seconds, len(sessions))))
+        return max(1, min(fit, _chunk_steps(self._step_seconds, len(sessions), quiet=quiet)))
 
     def _took_chunks(self, ready: list[ItemState], chunks: list[_Chunk]) -> None:
         """Chunks posted by a run, in order: stream their tokens, end what they ended."""
