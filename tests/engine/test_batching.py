@@ -7,6 +7,7 @@ bucket's cohort. Coherence is the assertion: logits compared bit for bit.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,4 +277,31 @@ def test_launching_is_called_once_just_before_the_first_run(big_buffer_engine: E
         assert (
             s.generated == engine.generate(prompt_ids(engine, 5 + i, seed=i), greedy(6)).token_ids
         )
+        s.release()
+
+
+def test_a_halt_ends_the_call_after_the_step_under_way(big_buffer_engine: Engine) -> None:
+    """The scheduler's poke sets ``halt`` while a chunk runs: the call returns after the
+    step under way, every session one step on, and they go on from there with the
+    tokens an uninterrupted decode gives."""
+    engine = big_buffer_engine
+    prompts = [prompt_ids(engine, 5 + i, seed=40 + i) for i in range(4)]
+    sessions = [
+        engine.new_session(p, greedy(30), session_id=f"h{i}") for i, p in enumerate(prompts)
+    ]
+    halt = threading.Event()
+    halt.set()  # set before the call: still one step (the prompts here)
+    first = engine.step_many(sessions, 20, halt=halt)
+    assert [len(o.token_ids) for o in first if not isinstance(o, Exception)] == [1] * 4
+    halt.clear()
+    before = engine.runner.runs
+    # Set as the first decode run starts, as a poke landing mid-chunk.
+    outs = engine.step_many(sessions, 20, launching=halt.set, halt=halt)
+    assert engine.runner.runs - before == 1
+    assert [len(o.token_ids) for o in outs if not isinstance(o, Exception)] == [1] * 4
+    halt.clear()
+    rest = engine.step_many(sessions, 100, halt=halt)  # never set: to their ends
+    assert all(not isinstance(o, Exception) and o.finished for o in rest)
+    for p, s in zip(prompts, sessions, strict=True):
+        assert s.generated == engine.generate(p, greedy(30)).token_ids
         s.release()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -391,6 +392,7 @@ class Engine:
         steps: int = 1,
         *,
         launching: Callable[[], object] | None = None,
+        halt: threading.Event | None = None,
     ) -> list[StepOutput | Exception]:
         """``steps`` steps of each session, merged per session; a failure is its entry.
 
@@ -398,6 +400,10 @@ class Engine:
         to start (not at all if no session has a step to take): what another thread
         does from then on overlaps the run, which holds no GIL, rather than this
         call's own Python.
+
+        Once ``halt`` is set, the call returns after the step under way (at least one
+        step is taken): each session has taken as many steps as the others, or fewer
+        where it ended, and goes on from there in the next call as it would have.
 
         Each step, the decode rows of one cohort that sit in adjacent rows run
         as one batch; every prompt chunk runs alone. A session that finishes or
@@ -414,7 +420,11 @@ class Engine:
         errors: list[Exception | None] = [None] * len(sessions)
         left = [steps] * len(sessions)
         live = list(range(len(sessions)))
+        went = False  # a step was taken: a halt may end the call
         while live:
+            if went and halt is not None and halt.is_set():
+                break
+            went = True
             fed: list[tuple[int, DecodeSession, list[int]]] = []
             for i in live:
                 session = sessions[i]
@@ -432,7 +442,7 @@ class Engine:
                 launching = None
             for k, run in enumerate(planned.runs):
                 if planned.reusable:
-                    self._decode_span(planned, k, fed, acc, errors, left)
+                    self._decode_span(planned, k, fed, acc, errors, left, halt)
                 else:
                     self._run_once(run, fed, acc, errors)
                     for row in run:
@@ -489,9 +499,11 @@ class Engine:
         acc: list[StepOutput],
         errors: list[Exception | None],
         left: list[int],
+        halt: threading.Event | None = None,
     ) -> None:
         """Decode steps of one run's rows as a :class:`DecodeSpan`: as many as every row
-        has room, length and steps left for, fewer when a row ends. The host work per
+        has room, length and steps left for, fewer when a row ends or ``halt`` is set
+        (after one step at least). The host work per
         step is a fixed number of array operations, plus the rows that need their
         logits on the host (sampling, penalties, logprobs, stop strings). A run that
         fails at its first step goes the one-run way (split until the failing row
@@ -530,6 +542,8 @@ class Engine:
         failed: Exception | None = None
         chosen = np.empty(len(host), dtype=np.int64)
         while span.steps < steps:
+            if span.steps and halt is not None and halt.is_set():
+                break
             failpoints.delay("engine.step")  # a slowed step slows each step of the span
             filling = None
             if bitmask is not None:

@@ -41,8 +41,9 @@ log = structlog.get_logger("kvmux.scheduler")
 _MIN_CHUNK_SECONDS = 0.010
 # A run nobody streams hands over no chunk on its own (see _QUIET_OUTPUTS), but each
 # chunk is a call into the engine (~40 us, and ~5-8 us a session, on this VM: 1.2% of
-# a 16-session job in 10 ms chunks). Its chunks are longer: the loop's poke waits for
-# the end of one, at most this long.
+# a 16-session job in 10 ms chunks). Its chunks are longer; not longer still, since a
+# session that ends keeps its slot until its chunk does. A poke (an arrival, a cancel)
+# does not wait for the chunk: the call returns after the step under way.
 _QUIET_CHUNK_SECONDS = 0.020
 # A call into the engine also pays once per session (reading its state, handing over
 # its tokens: ~6 us a session on this 2-core VM, against O(1) a step inside the call),
@@ -285,14 +286,19 @@ class TurnLoop:
                 # loop's Python for them (~4 us a session) then overlaps the run, not
                 # the Python that prepares it, which would wait for the GIL meanwhile.
                 outputs = self.engine.step_many(
-                    sessions, steps, launching=post_pending if hand_over else None
+                    sessions, steps, launching=post_pending if hand_over else None, halt=self._stop
                 )
             except BaseException:
                 post_pending()  # what the sessions did before is theirs to keep
                 raise
             if hand_over:
                 post_pending()
-            chunk = _Chunk(outputs, steps, time.perf_counter() - t, decoding, time.monotonic())
+            seconds = time.perf_counter() - t
+            if decoding and self._stop.is_set():  # halted: its steps may be fewer
+                steps = max(
+                    (len(o.token_ids) for o in outputs if isinstance(o, StepOutput)), default=0
+                )
+            chunk = _Chunk(outputs, steps, seconds, decoding, time.monotonic())
             ends = (
                 self._stop.is_set()
                 or not all(map(still_going, outputs))
@@ -336,7 +342,9 @@ class TurnLoop:
         self.outbox.flush()
 
     def _took(self, ready: list[ItemState], chunk: _Chunk) -> None:
-        if chunk.decoding:  # a prompt chunk costs many decode steps: not a step's time
+        # A prompt chunk costs many decode steps: not a step's time (nor one halted
+        # before any session took a token).
+        if chunk.decoding and chunk.steps:
             per_step = chunk.seconds / (chunk.steps * len(ready))
             if self._step_seconds:
                 per_step = 0.8 * self._step_seconds + 0.2 * per_step
