@@ -8,6 +8,7 @@ bucket's cohort. Coherence is the assertion: logits compared bit for bit.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,3 +306,29 @@ def test_a_halt_ends_the_call_after_the_step_under_way(big_buffer_engine: Engine
     for p, s in zip(prompts, sessions, strict=True):
         assert s.generated == engine.generate(p, greedy(30)).token_ids
         s.release()
+
+
+@pytest.mark.parametrize("ends_after", [None, "future", "past"])
+def test_past_ends_after_a_session_that_ends_returns_the_call(
+    big_buffer_engine: Engine, ends_after: str | None
+) -> None:
+    """Past ``ends_after`` the call returns at the step where a session ended (the
+    scheduler has an item waiting for the slot); before it, or without it, the others
+    go on. Either way they go on to the tokens an uninterrupted decode gives."""
+    engine = big_buffer_engine
+    prompts = [prompt_ids(engine, 6, seed=50), prompt_ids(engine, 7, seed=51)]
+    short, long = (
+        engine.new_session(prompts[0], greedy(3), session_id="short"),
+        engine.new_session(prompts[1], greedy(30), session_id="long"),
+    )
+    engine.step_many([short, long], 1)  # the prompts: a first token each
+    when = {None: None, "future": time.perf_counter() + 3600, "past": 0.0}[ends_after]
+    outs = engine.step_many([short, long], 20, ends_after=when)
+    assert not isinstance(outs[0], Exception) and outs[0].finished  # two more tokens
+    assert not isinstance(outs[1], Exception)
+    assert len(outs[1].token_ids) == (2 if ends_after == "past" else 20)
+    engine.step_many([long], 100)
+    assert short.generated == engine.generate(prompts[0], greedy(3)).token_ids
+    assert long.generated == engine.generate(prompts[1], greedy(30)).token_ids
+    short.release()
+    long.release()

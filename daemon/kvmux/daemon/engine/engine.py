@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,6 +394,7 @@ class Engine:
         *,
         launching: Callable[[], object] | None = None,
         halt: threading.Event | None = None,
+        ends_after: float | None = None,
     ) -> list[StepOutput | Exception]:
         """``steps`` steps of each session, merged per session; a failure is its entry.
 
@@ -404,6 +406,8 @@ class Engine:
         Once ``halt`` is set, the call returns after the step under way (at least one
         step is taken): each session has taken as many steps as the others, or fewer
         where it ended, and goes on from there in the next call as it would have.
+        Past ``ends_after`` (a ``time.perf_counter()`` value), it also returns after a
+        step in which a session finished or failed: its slot is wanted.
 
         Each step, the decode rows of one cohort that sit in adjacent rows run
         as one batch; every prompt chunk runs alone. A session that finishes or
@@ -447,7 +451,14 @@ class Engine:
                     self._run_once(run, fed, acc, errors)
                     for row in run:
                         left[fed[row.index][0]] -= 1
-            live = [i for i in live if errors[i] is None and not acc[i].finished and left[i] > 0]
+            going = [i for i in live if errors[i] is None and not acc[i].finished]
+            if (
+                ends_after is not None
+                and len(going) < len(live)
+                and time.perf_counter() >= ends_after
+            ):
+                break
+            live = [i for i in going if left[i] > 0]
         return [a if e is None else e for a, e in zip(acc, errors, strict=True)]
 
     def _run_once(

@@ -39,18 +39,22 @@ log = structlog.get_logger("kvmux.scheduler")
 # model time (at most _MAX_CHUNK_STEPS steps): each hand-over wakes the loop,
 # so a chunk of one short step would pay a wake-up per token.
 _MIN_CHUNK_SECONDS = 0.010
-# A run nobody streams hands over no chunk on its own (see _QUIET_OUTPUTS), but each
-# chunk is a call into the engine (~40 us, and ~5-8 us a session, on this VM: 1.2% of
-# a 16-session job in 10 ms chunks). Its chunks are longer; not longer still, since a
-# session that ends keeps its slot until its chunk does. A poke (an arrival, a cancel)
-# does not wait for the chunk: the call returns after the step under way.
-_QUIET_CHUNK_SECONDS = 0.020
 # A call into the engine also pays once per session (reading its state, handing over
 # its tokens: ~6 us a session on this 2-core VM, against O(1) a step inside the call),
 # so a chunk lasts long enough that this stays about _CALL_SHARE of it: 10 ms up to
 # ~80 sessions, 31 ms at 256.
 _CALL_SECONDS_PER_SESSION = 6e-6
 _CALL_SHARE = 0.05
+# A run nobody streams hands over no chunk on its own (see _QUIET_OUTPUTS), so its
+# chunks are longer: fewer calls into the engine (5% of the time at 256 sessions in
+# 31 ms chunks). What chunks were also for is done within the call: a poke (an
+# arrival, a cancel) returns it after the step under way; and while something waits
+# for a slot (queued, parked, growing), so does a session that ends once the call
+# has run _QUIET_ENDINGS_SECONDS, or a streamed chunk's length if longer. Endings
+# still reach the loop in batches: returning at 10 ms made a job of mixed lengths
+# at 64 sessions 4% slower than 20 ms chunks did.
+_QUIET_CHUNK_SECONDS = 0.100
+_QUIET_ENDINGS_SECONDS = 0.020
 _MAX_CHUNK_STEPS = 64
 # While no client takes a run's token updates, its chunks wait for the run's end
 # until they hold this many sessions' outputs: below, the loop's wake-up costs
@@ -58,7 +62,7 @@ _MAX_CHUNK_STEPS = 64
 _QUIET_OUTPUTS = 64
 # However long the sessions could go on, a run returns to the loop after this
 # long: a safety net, since everything that changes the ready set stops it.
-_MAX_RUN_SECONDS = 0.25
+_MAX_RUN_SECONDS = 1.0
 _MAX_RUN_STEPS = 1 << 30  # what fits before any bucket's room bounds it
 # Sessions of one admission the loop opens itself on the host (see _opens_inline).
 _INLINE_OPENS = 32
@@ -82,11 +86,17 @@ class _Chunk(NamedTuple):
     at: float  # time.monotonic() when its steps were done (a first token's time)
 
 
+def _chunk_seconds(sessions: int) -> float:
+    """A streamed chunk's length: ~_MIN_CHUNK_SECONDS, or more (see _CALL_SHARE)."""
+    return max(_MIN_CHUNK_SECONDS, sessions * _CALL_SECONDS_PER_SESSION / _CALL_SHARE)
+
+
 def _chunk_steps(per_step: float, sessions: int, *, quiet: bool = False) -> int:
-    """Steps for a chunk of ~_MIN_CHUNK_SECONDS (_QUIET_CHUNK_SECONDS while nobody
-    streams) or more (see _CALL_SHARE), given a session's share of a step."""
-    least = _QUIET_CHUNK_SECONDS if quiet else _MIN_CHUNK_SECONDS
-    seconds = max(least, sessions * _CALL_SECONDS_PER_SESSION / _CALL_SHARE)
+    """Steps for a chunk (of _QUIET_CHUNK_SECONDS or more while nobody streams), given
+    a session's share of a step."""
+    seconds = _chunk_seconds(sessions)
+    if quiet:
+        seconds = max(seconds, _QUIET_CHUNK_SECONDS)
     return max(1, min(_MAX_CHUNK_STEPS, math.ceil(seconds / (sessions * per_step))))
 
 
@@ -281,12 +291,19 @@ class TurnLoop:
             streamed = any(job.streams for job in jobs)
             hand_over = streamed or len(pending) * len(sessions) >= _QUIET_OUTPUTS
             t = time.perf_counter()
+            ends_after = None
+            if not streamed and (self.queue.queued or len(self._active) > len(sessions)):
+                ends_after = t + max(_QUIET_ENDINGS_SECONDS, _chunk_seconds(len(sessions)))
             try:
                 # The chunks before go to the loop as this one's first run starts: the
                 # loop's Python for them (~4 us a session) then overlaps the run, not
                 # the Python that prepares it, which would wait for the GIL meanwhile.
                 outputs = self.engine.step_many(
-                    sessions, steps, launching=post_pending if hand_over else None, halt=self._stop
+                    sessions,
+                    steps,
+                    launching=post_pending if hand_over else None,
+                    halt=self._stop,
+                    ends_after=ends_after,
                 )
             except BaseException:
                 post_pending()  # what the sessions did before is theirs to keep
@@ -294,14 +311,16 @@ class TurnLoop:
             if hand_over:
                 post_pending()
             seconds = time.perf_counter() - t
-            if decoding and self._stop.is_set():  # halted: its steps may be fewer
+            halted = self._stop.is_set()
+            going = all(map(still_going, outputs))
+            if decoding and (halted or not going):  # it may have taken fewer steps
                 steps = max(
                     (len(o.token_ids) for o in outputs if isinstance(o, StepOutput)), default=0
                 )
             chunk = _Chunk(outputs, steps, seconds, decoding, time.monotonic())
             ends = (
-                self._stop.is_set()
-                or not all(map(still_going, outputs))
+                halted
+                or not going
                 or time.perf_counter() - started > _MAX_RUN_SECONDS
                 # Checked here, not by the loop: on short steps the next chunk would
                 # decode the donor to its end before a poke from the loop landed.
