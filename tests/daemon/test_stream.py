@@ -176,3 +176,15 @@ async def test_a_quiet_run_hands_its_chunks_to_the_loop_together(
     assert set(streamed) == {1} and len(streamed) >= 5
     assert sum(quiet) >= 5 and len(quiet) < sum(quiet), quiet
     assert set(many) == {1} and len(many) >= 5
+
+
+def test_a_quiet_call_waits_longer_for_endings_the_more_sessions_and_the_longer_items() -> None:
+    """While an item waits for a slot, a quiet call returns at a session's end once it
+    has run ``_endings_seconds``: longer with more sessions (a turn costs more) and
+    longer items (an idle slot costs less), within (1 ms, the quiet chunk); a
+    streamed chunk's length before any item has ended."""
+    w = _loop._endings_seconds
+    assert w(16, 0.0) == _loop._chunk_seconds(16)
+    assert 0.001 < w(16, 0.034) < w(64, 0.034) < w(64, 0.14) < w(256, 0.56)
+    assert w(256, 60.0) == _loop._QUIET_CHUNK_SECONDS
+    assert w(1, 1e-6) == 0.001
