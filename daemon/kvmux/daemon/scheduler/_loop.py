@@ -52,8 +52,9 @@ _CALL_SHARE = 0.05
 # for a slot (queued, parked, growing), so does a session that ends once the call
 # has run a while (see _endings_seconds).
 _QUIET_CHUNK_SECONDS = 0.100
-# What the loop's turn between two runs costs the model, about (this 2-core VM):
-# the rows' results, releases, admissions and the next run's start.
+# What the loop's turn between two runs costs the model, roughly, on this 2-core VM
+# (a wake-up and the next run's start; per session the results, releases and
+# admissions a turn may do, as they were measured at 16 and 256 sessions).
 _TURN_SECONDS = 3e-4
 _TURN_SECONDS_PER_SESSION = 2e-5
 _MAX_CHUNK_STEPS = 64
