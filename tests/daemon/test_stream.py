@@ -3,7 +3,10 @@ results, and its job's text decoded once at each item's end (issue 28, item 5)."
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -11,7 +14,7 @@ import pytest
 
 from kvmux.client import Client, Item, Job
 from kvmux.client import protocol as p
-from kvmux.daemon.engine import Engine
+from kvmux.daemon.engine import DecodeSession, Engine, StepOutput
 from kvmux.daemon.scheduler import _loop
 from kvmux.kv import failpoints
 
@@ -188,3 +191,51 @@ def test_a_quiet_call_waits_longer_for_endings_the_more_sessions_and_the_longer_
     assert 0.001 < w(16, 0.034) < w(64, 0.034) < w(64, 0.14) < w(256, 0.56)
     assert w(256, 60.0) == _loop._QUIET_CHUNK_SECONDS
     assert w(1, 1e-6) == 0.001
+
+
+async def test_an_arrival_ends_a_quiet_chunk_after_the_step_under_way(
+    tiny_model: Path, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quiet run's chunks are long (up to ``_QUIET_CHUNK_SECONDS``), but a poke (here
+    another job's arrival) does not wait for a chunk's end: the engine call under way
+    returns after its step, with fewer steps than it was asked for though no session
+    ended, and the newcomer is admitted."""
+    long = Item(custom_id="long", prompt="go on", max_new_tokens=400, ignore_eos=True)
+    other = Item(custom_id="other", prompt="hi", max_new_tokens=4)
+    calls: list[tuple[int, int, bool]] = []  # steps asked, most tokens taken, one ended
+    sent: list[concurrent.futures.Future[Job]] = []
+    failpoints.slow("engine.step", 0.005)  # decode chunks of ~20 steps, ~100 ms
+    try:
+        config = make_config(tiny_model, sock_dir, kv={"min_bucket": 512})
+        async with running(config) as daemon, connected(daemon) as client:
+            engine = daemon.engine
+            assert engine is not None
+            step_many = engine.step_many
+            loop = asyncio.get_running_loop()
+
+            def recorded(
+                sessions: list[DecodeSession], steps: int = 1, **kw: Any
+            ) -> list[StepOutput | Exception]:
+                if len(calls) == 3:  # the long item's third decode chunk is starting
+                    submit = client.submit([other], stream=False)
+                    sent.append(asyncio.run_coroutine_threadsafe(submit, loop))
+                outs = step_many(sessions, steps, **kw)
+                done = [o for o in outs if not isinstance(o, Exception)]
+                taken = max((len(o.token_ids) for o in done), default=0)
+                ended = len(done) < len(outs) or any(o.finished for o in done)
+                calls.append((steps, taken, ended))
+                return outs
+
+            monkeypatch.setattr(engine, "step_many", recorded)
+            job = await client.submit([long], stream=False)
+            while not sent:
+                await anyio.sleep(0.01)
+            other_events = await _events(await asyncio.wrap_future(sent[0]))
+            rest = await _events(job)
+    finally:
+        failpoints.disarm()
+    results = [ev.result for ev in [*other_events, *rest] if isinstance(ev, p.ItemFinished)]
+    assert [r.status for r in results] == ["ok", "ok"]
+    assert len(results[1].token_ids) == 400
+    asked, taken, ended = calls[3]
+    assert asked > 2 and 1 <= taken < asked and not ended, calls
