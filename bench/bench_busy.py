@@ -16,8 +16,9 @@ against the Engine, at N = 1, 16, 64, 256 sessions, tokens checked equal on ever
   made (``stream=True``, the client's default).
 
 Every side: prompt 32 random tokens + 128 new, greedy, EOS ignored, one onnxruntime
-intra-op thread, first bucket 256 (nobody grows). Sides interleave job by job,
-their order rotating each repeat; ratios are of the medians, and per repeat.
+intra-op thread, first bucket 256 (nobody grows). Sides interleave job by job, in
+orders where each follows each other one equally often; ratios are of the medians,
+and per repeat.
 
     python -m bench.bench_busy [--quick] [--sizes 1,16,64,256] [--repeats 3]
     python -m bench.bench_busy --provider cuda --model small --dtype float16 [--graphs on|off|both]

@@ -35,7 +35,7 @@ from ._queue import FairQueue
 
 log = structlog.get_logger("kvmux.scheduler")
 
-# A decode run hands its tokens to the loop in chunks of about this much
+# A streamed decode run hands its tokens to the loop in chunks of about this much
 # model time (at most _MAX_CHUNK_STEPS steps): each hand-over wakes the loop,
 # so a chunk of one short step would pay a wake-up per token.
 _MIN_CHUNK_SECONDS = 0.010
