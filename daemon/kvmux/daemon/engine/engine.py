@@ -61,6 +61,8 @@ log = structlog.get_logger("kvmux.engine")
 failpoints.register("engine.step")
 
 _KV_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+# generate's steps per call: more than any item takes (its end returns the call).
+_GENERATE_STEPS = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -670,7 +672,11 @@ class Engine:
         session = self.new_session(prompt, params, max_context=max_context)
         try:
             while not session.finished:
-                self.step(session)
+                # One call for all its steps (it returns when the session ends): a
+                # call pays ~40 us of Python once, a step within it a fixed few lines.
+                (out,) = self.step_many([session], _GENERATE_STEPS)
+                if isinstance(out, Exception):
+                    raise out
             return session.completion()
         finally:
             session.release()
