@@ -167,7 +167,8 @@ def _done_lines(rows: list[dict[str, Any]]) -> set[str]:
     """The custom_ids whose every choice has an ok result among ``rows``. --resume goes
     by line, as kvmux submit's does (a request of n=2 gives both choices or none): a
     line whose first choice was written before the signal and its second not runs
-    again whole, and its new results are the ones that stand."""
+    again whole, and its new results are the ones that stand. Counted here, not by
+    ``done_ids``: the check must not share the code whose skip set it judges."""
     ok: dict[str, int] = {}
     need: dict[str, int] = {}
     for r in rows:
