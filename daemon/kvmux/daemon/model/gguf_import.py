@@ -20,8 +20,6 @@ not byte-level BPE, a tensor type the library cannot dequantize) is refused by n
 
 from __future__ import annotations
 
-import hashlib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +39,8 @@ from kvmux.daemon.model.builder import (
     genai_config,
     write_json,
 )
-from kvmux.daemon.model.errors import ModelFormatError
+from kvmux.daemon.model.gguf_file import GGUFFile, GGUFImportError, sha256_of
+from kvmux.daemon.model.gguf_tokenizer import read_gguf_tokenizer, read_tokenizer, tokenizer_config
 
 __all__ = [
     "IMPORT_VERSION",
@@ -57,102 +56,6 @@ IMPORT_VERSION: Final = 1
 SUPPORTED_ARCHITECTURES: Final = ("llama", "qwen2")
 WEIGHTS_FILENAME: Final = MODEL_FILENAME + ".data"
 
-# llama.cpp's token types (gguf.TokenType): CONTROL tokens are special,
-# USER_DEFINED ones are matched whole but are ordinary text.
-_CONTROL: Final = 3
-_USER_DEFINED: Final = 4
-
-_GPT2_REGEX: Final = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3_REGEX: Final = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX: Final = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> (split regex, digits split one by one first, BPE ignore_merges),
-# as llama.cpp's llama-vocab.cpp splits for each (and the models' own tokenizer.json).
-_PRE_TOKENIZERS: Final[dict[str, tuple[str, bool, bool]]] = {
-    "gpt2": (_GPT2_REGEX, False, False),
-    "smollm": (_GPT2_REGEX, True, False),
-    "starcoder": (_GPT2_REGEX, True, False),
-    "llama-bpe": (_LLAMA3_REGEX, False, True),
-    "llama3": (_LLAMA3_REGEX, False, True),
-    "qwen2": (_QWEN2_REGEX, False, False),
-}
-
-
-class GGUFImportError(ModelFormatError):
-    """A GGUF file kvmux cannot import: unreadable, damaged, or a model it does not run."""
-
-    def __init__(self, path: Path | str, problem: str) -> None:
-        # A ModelFormatError (the daemon refuses to start on it, as on a bad folder)
-        # whose message names the file rather than a folder.
-        self.path = Path(path)
-        self.folder = None
-        self.problems = (problem,)
-        Exception.__init__(self, f"GGUF file {path}: {problem}")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-class _File:
-    """One opened GGUF file: typed metadata access that names the key on errors."""
-
-    def __init__(self, path: Path) -> None:
-        import gguf
-
-        self.path = path
-        try:
-            with open(path, "rb") as f:
-                magic = f.read(4)
-            self.reader = gguf.GGUFReader(path, "r")
-        except OSError as exc:
-            raise GGUFImportError(path, f"cannot be read ({exc})") from exc
-        except (ValueError, IndexError, KeyError, TypeError) as exc:
-            if magic != b"GGUF":
-                raise GGUFImportError(
-                    path, f"is not a GGUF file (it starts with {magic!r}, not b'GGUF')"
-                ) from exc
-            # A header that promises more than the file holds: the reader runs past
-            # the end ("cannot reshape array of size ...", a short read).
-            raise GGUFImportError(
-                path,
-                f"is truncated or damaged: the gguf reader says {exc} "
-                f"(the file has {path.stat().st_size} bytes)",
-            ) from exc
-        self.tensors = {t.name: t for t in self.reader.tensors}
-
-    def fail(self, problem: str) -> GGUFImportError:
-        return GGUFImportError(self.path, problem)
-
-    def get(self, key: str, default: Any = ...) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            if default is ...:
-                raise self.fail(f"metadata key {key!r} is missing")
-            return default
-        return field.contents()
-
-    def int_(self, key: str, default: Any = ...) -> int:
-        value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self.fail(f"metadata {key} is {value!r}, expected a non-negative integer")
-        return value
-
-    def float_(self, key: str, default: float | None = None) -> float:
-        value = self.get(key, ... if default is None else default)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(f"metadata {key} is {value!r}, expected a number")
-        return float(value)
-
 
 @dataclass(frozen=True)
 class _Model:
@@ -162,7 +65,7 @@ class _Model:
     names: dict[str, str]
 
 
-def _read_model(f: _File) -> _Model:
+def _read_model(f: GGUFFile) -> _Model:
     arch = f.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise f.fail(
@@ -246,7 +149,7 @@ def _unpermute(rows: np.ndarray[Any, Any], heads: int) -> np.ndarray[Any, Any]:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _weights(f: _File, model: _Model) -> Callable[[str, tuple[int, ...]], np.ndarray[Any, Any]]:
+def _weights(f: GGUFFile, model: _Model) -> Callable[[str, tuple[int, ...]], np.ndarray[Any, Any]]:
     import gguf
 
     permute = {"attn_q.weight": model.shape.num_heads, "attn_k.weight": model.shape.num_kv_heads}
@@ -276,146 +179,6 @@ def _weights(f: _File, model: _Model) -> Callable[[str, tuple[int, ...]], np.nda
     return load
 
 
-# --------------------------------------------------------------------------- tokenizer
-
-
-@dataclass(frozen=True)
-class GGUFTokenizer:
-    """The file's tokenizer as ``tokenizers`` builds it, and its special tokens."""
-
-    tokenizer: Any
-    tokens: list[str]
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    pad_token_id: int | None
-    unk_token_id: int | None
-    add_bos_token: bool
-    chat_template: str | None
-
-
-def read_tokenizer(path: Path) -> GGUFTokenizer:
-    """The byte-level BPE tokenizer a GGUF file describes (vocabulary and merges exactly)."""
-    return _read_tokenizer(_File(Path(path)))
-
-
-def _read_tokenizer(f: _File) -> GGUFTokenizer:
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
-
-    kind = f.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise f.fail(
-            f"tokenizer model {kind!r} is not supported; kvmux imports byte-level BPE ('gpt2')"
-        )
-    pre = f.get("tokenizer.ggml.pre", "gpt2")
-    if pre not in _PRE_TOKENIZERS:
-        raise f.fail(
-            f"pre-tokenizer {pre!r} is not supported; kvmux knows {', '.join(_PRE_TOKENIZERS)}"
-        )
-    regex, digits, ignore_merges = _PRE_TOKENIZERS[pre]
-    tokens = [str(t) for t in f.get("tokenizer.ggml.tokens")]
-    types = list(f.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        dup = next(t for t, n in Counter(tokens).items() if n > 1)
-        raise f.fail(f"vocabulary lists token {dup!r} more than once")
-    merges: list[tuple[str, str]] = []
-    for line in f.get("tokenizer.ggml.merges"):
-        parts = str(line).split(" ")
-        if len(parts) != 2:
-            raise f.fail(f"merge {line!r} is not two tokens")
-        merges.append((parts[0], parts[1]))
-
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
-    )
-    splits: list[Any] = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-    if regex == _GPT2_REGEX:  # what ByteLevel's own regex splits
-        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-    else:
-        splits += [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    tok.pre_tokenizer = splits[0] if len(splits) == 1 else pre_tokenizers.Sequence(splits)
-    tok.decoder = decoders.ByteLevel()
-    # Already in the vocabulary, so they keep their ids; added, they are matched
-    # whole in text instead of being split into byte pieces.
-    tok.add_tokens(
-        [
-            AddedToken(t, special=k == _CONTROL, normalized=False)
-            for t, k in zip(tokens, types, strict=False)
-            if k in (_CONTROL, _USER_DEFINED)
-        ]
-    )
-    if tok.get_vocab(with_added_tokens=True) != vocab:
-        raise f.fail("the tokenizers library does not reproduce the file's vocabulary")
-
-    def token_id(key: str) -> int | None:
-        value = f.get(f"tokenizer.ggml.{key}", None)
-        if value is None:
-            return None
-        if not isinstance(value, int) or not 0 <= value < len(tokens):
-            raise f.fail(f"tokenizer.ggml.{key} is {value!r}, not a token id")
-        return value
-
-    eos = token_id("eos_token_id")
-    if eos is None:
-        raise f.fail("metadata key 'tokenizer.ggml.eos_token_id' is missing")
-    eos_ids = [eos]
-    # Llama 3's end of turn is its own token; a chat stops on either.
-    for key in ("eot_token_id", "eom_token_id"):
-        extra = token_id(key)
-        if extra is not None and extra not in eos_ids:
-            eos_ids.append(extra)
-    bos = token_id("bos_token_id")
-    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
-    if add_bos and bos is not None:
-        # llama.cpp prepends BOS to such a file's text; transformers' and genai's
-        # tokenizers do it in the post-processor, as Llama 3's tokenizer.json says.
-        b = tokens[bos]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{b} $A", pair=f"{b} $A {b} $B", special_tokens=[(b, bos)]
-        )
-    template = f.get("tokenizer.chat_template", None)
-    return GGUFTokenizer(
-        tokenizer=tok,
-        tokens=tokens,
-        bos_token_id=bos,
-        eos_token_ids=eos_ids,
-        pad_token_id=token_id("padding_token_id"),
-        unk_token_id=token_id("unknown_token_id"),
-        add_bos_token=add_bos,
-        chat_template=str(template) if template is not None else None,
-    )
-
-
-def _tokenizer_config(t: GGUFTokenizer, context_length: int) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "add_bos_token": t.add_bos_token,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": context_length,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    for key, token_id in (
-        ("bos_token", t.bos_token_id),
-        ("eos_token", t.eos_token_ids[0]),
-        ("pad_token", t.pad_token_id),
-        ("unk_token", t.unk_token_id),
-    ):
-        if token_id is not None:
-            config[key] = t.tokens[token_id]
-    return config
-
-
 # --------------------------------------------------------------------------- public
 
 
@@ -441,9 +204,9 @@ def import_gguf(
                 path,
                 f"SHA-256 is {actual}, expected {sha256.lower()} (a different or damaged file)",
             )
-    f = _File(path)
+    f = GGUFFile(path)
     model = _read_model(f)
-    tok = _read_tokenizer(f)
+    tok = read_gguf_tokenizer(f)
     if len(tok.tokens) != model.shape.vocab_size:
         raise f.fail(
             f"the vocabulary has {len(tok.tokens)} tokens, the embedding "
@@ -452,8 +215,9 @@ def import_gguf(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.tokenizer.save(str(out_dir / TOKENIZER_FILENAME), pretty=True)
-    tokenizer_config = _tokenizer_config(tok, model.shape.context_length)
-    write_json(out_dir / TOKENIZER_CONFIG_FILENAME, tokenizer_config)
+    write_json(
+        out_dir / TOKENIZER_CONFIG_FILENAME, tokenizer_config(tok, model.shape.context_length)
+    )
     if tok.chat_template is not None:
         # As transformers saves it: the template's text, nothing added.
         (out_dir / CHAT_TEMPLATE_FILENAME).write_text(tok.chat_template, encoding="utf-8")
