@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvmux.daemon.model.builder import builtin_folder_name
+
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KVMUX_MODEL_CACHE": str(tmp_path / "models")}
@@ -25,7 +27,7 @@ def test_builds_the_model_on_first_use_and_decodes(tmp_path: Path) -> None:
     assert "[length] prompt 2 + 40 tokens" in proc.stderr
     assert "KV buckets 4 -> 8 -> 16 -> 32 -> 64" in proc.stderr
     assert "KV in use after release 0 B" in proc.stderr
-    assert (tmp_path / "models" / "kvmux-tiny-float32-v2" / "genai_config.json").exists()
+    assert (tmp_path / "models" / builtin_folder_name("tiny") / "genai_config.json").exists()
 
 
 def test_a_prompt_over_its_cap_is_a_clear_error(tmp_path: Path) -> None:

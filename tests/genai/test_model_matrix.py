@@ -221,7 +221,7 @@ def test_info_shows_family_precision_window_and_features(
     assert kvmux_model(["info", str(matrix_exports[("gemma2-fullkv", "int4")].folder)]) == 0
     out = capsys.readouterr().out
     assert "(family gemma2)" in out
-    assert "precision:         int4 (MatMulNBits, block 32" in out
+    assert "precision:         int4, " in out and "MatMulNBits (block 32)" in out
     assert "GroupQueryAttention x 4, shared past/present buffer" in out
     assert "sliding window:    not declared in genai_config.json, applied by 2 of 4 GQA" in out
     assert "attention softcap: 50" in out

@@ -152,8 +152,8 @@ def test_ensure_builtin_crash_leaves_no_folder(
 ) -> None:
     real = builder_mod.build_builtin
 
-    def crash(size: str, out_dir: Path, *, dtype: str = "float32") -> Path:
-        real(size, out_dir, dtype=dtype)
+    def crash(size: str, out_dir: Path, *, dtype: str = "float32", precision: str = "") -> Path:
+        real(size, out_dir, dtype=dtype, precision=precision)
         (out_dir / "model.onnx").write_bytes(b"half")
         raise KeyboardInterrupt
 

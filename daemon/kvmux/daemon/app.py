@@ -162,7 +162,7 @@ class Daemon:
             folder = Path(cfg.model.path)
         else:
             cache = Path(cfg.model.cache_dir) if cfg.model.cache_dir else None
-            folder = resolve_model(cfg.model.name, cache)
+            folder = resolve_model(cfg.model.name, cache, cfg.model.precision)
         options = EngineOptions(
             provider=cfg.model.provider,
             device_id=cfg.model.device_id,

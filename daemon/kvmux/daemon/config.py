@@ -77,6 +77,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     """``[model]``: which model to serve and where it runs."""
 
     name: str = "tiny"
+    # For a built-in name: "auto" (as it comes: tiny/small float, smollm2 its GGUF's own
+    # quantized blocks), "float", or "int4" (see model.cache.MODEL_PRECISIONS).
+    precision: Literal["auto", "float", "int4"] = "auto"
     path: str = ""
     # A Jinja chat template file for chat requests, overriding the model's own
     # (chat_template.jinja or tokenizer_config.json); read like ``path``.
@@ -391,6 +394,12 @@ def _check(cfg: Config, source: str) -> None:
                 "model.name",
                 f"is exclusive with model.path ({model.path!r}); "
                 "leave model.name unset to serve the model folder",
+            )
+        if model.precision != "auto":
+            raise fail(
+                "model.precision",
+                f"is for the built-in models; the folder {model.path!r} is served as it was "
+                "built or imported (kvmux-model import-gguf --dequantize writes a float one)",
             )
     elif model.name not in BUILTIN_MODELS:
         raise fail(

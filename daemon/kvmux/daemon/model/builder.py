@@ -33,13 +33,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from kvmux.daemon.model.quant import QuantizedMatrix, quantize_int4
 from kvmux.daemon.model.tokenizer import bytes_to_unicode
 
 __all__ = [
+    "ACCURACIES",
     "BUILTIN_SIZES",
     "DTYPES",
+    "PRECISIONS",
     "BuiltinSize",
     "DecoderShape",
+    "ExternalData",
     "WeightSource",
     "build_atomically",
     "build_builtin",
@@ -51,7 +55,7 @@ __all__ = [
 ]
 
 #: Bump when the builder's output changes, so cached folders are rebuilt.
-BUILDER_VERSION: Final = 2
+BUILDER_VERSION: Final = 3
 
 BOS_TOKEN: Final = "<s>"
 EOS_TOKEN: Final = "</s>"
@@ -59,6 +63,7 @@ PAD_TOKEN: Final = "<pad>"
 SPECIAL_TOKENS: Final = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
 MODEL_FILENAME: Final = "model.onnx"
+WEIGHTS_FILENAME: Final = MODEL_FILENAME + ".data"
 CONFIG_FILENAME: Final = "genai_config.json"
 TOKENIZER_FILENAME: Final = "tokenizer.json"
 TOKENIZER_CONFIG_FILENAME: Final = "tokenizer_config.json"
@@ -132,6 +137,36 @@ DTYPES: Final[dict[str, tuple[type[np.floating[Any]], int]]] = {
     "float32": (np.float32, TensorProto.FLOAT),
     "float16": (np.float16, TensorProto.FLOAT16),
 }
+
+#: A built-in's weights: as drawn ("float", in the graph's dtype), or symmetric round-to-nearest
+#: int4 in blocks of 32 (onnxruntime-genai's builder's default int4), embeddings left float.
+PRECISIONS: Final = ("float", "int4")
+
+#: How MatMulNBits computes (its accuracy_level), by name:
+#: - "int8" (level 4) quantizes the activations to int8 per block, as llama.cpp does for its
+#:   dot products: the fast CPU path.
+#: - "fp32" (level 0) computes in float: exact, 2-3x slower for 4-bit weights, and for 8-bit
+#:   weights onnxruntime's slow path (the whole weight dequantized on every call, ~100x).
+#: - "mixed", the GGUF import's default: the 4-bit attention projections (q, k, v, o) at
+#:   fp32, everything else at int8. Measured on SmolLM2's Q4_1 file: all int8 turns the
+#:   first token of its answer to "What is the capital of France?" from "The" to "L" (a 0.08
+#:   logit gap) and the answer into French, as llama-server answers on the same file; q/k/v/o
+#:   in float restore "The capital of France is Paris." while the MLP and lm_head (three
+#:   quarters of the weights) keep the int8 path. 8-bit attention weights stay at int8.
+#: Level 0 differs in one more way: onnxruntime sums a one-row product (M = 1) in another
+#: order than a batched one, so a row's logits move by ~1e-5 between decoding alone and in a
+#: batch; level 4 gives the same bits either way.
+#: onnxruntime's CUDA kernels compute in the activations' float16 whatever the level.
+ACCURACIES: Final = ("mixed", "int8", "fp32")
+
+
+def accuracy_level(accuracy: str, prefix: str, bits: int) -> int:
+    """MatMulNBits' accuracy_level for the matrix ``prefix`` of ``bits`` under ``accuracy``."""
+    if accuracy == "fp32":
+        return 0
+    if accuracy == "mixed" and bits == 4 and "/attn/" in prefix:
+        return 0
+    return 4
 
 
 def _size(size: str) -> BuiltinSize:
@@ -251,21 +286,87 @@ def _build_tokenizer(spec: BuiltinSize) -> tuple[Any, dict[str, int]]:
 # --------------------------------------------------------------------------- graph
 
 
+class ExternalData:
+    """Initializers written to one data file beside the model as they are made, so a model
+    of any size is written tensor by tensor and never held whole in memory (a protobuf
+    holds at most 2 GB; genai's exports keep their weights outside it too)."""
+
+    #: Tensors smaller than this stay inside the model file.
+    THRESHOLD: Final = 1024
+    #: Each tensor starts on a page, so onnxruntime may map it rather than copy it.
+    ALIGN: Final = 4096
+
+    def __init__(self, folder: Path, filename: str = WEIGHTS_FILENAME) -> None:
+        self.filename = filename
+        self._file = open(Path(folder) / filename, "wb")  # noqa: SIM115 (closed by close())
+        self._offset = 0
+        self.written = 0
+
+    def tensor(self, name: str, array: np.ndarray[Any, Any]) -> onnx.TensorProto:
+        array = np.ascontiguousarray(array)
+        if array.nbytes < self.THRESHOLD:
+            return numpy_helper.from_array(array, name)
+        pad = -self._offset % self.ALIGN
+        if pad:
+            self._file.write(b"\0" * pad)
+            self._offset += pad
+        self._file.write(array.data)
+        t = onnx.TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+        t.dims.extend(array.shape)
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (
+            ("location", self.filename),
+            ("offset", str(self._offset)),
+            ("length", str(array.nbytes)),
+        ):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        self._offset += array.nbytes
+        self.written += array.nbytes
+        return t
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class _Graph:
     """Accumulates nodes and initializers with deterministic names."""
 
-    def __init__(self, np_dtype: type[np.floating[Any]], onnx_dtype: int) -> None:
+    def __init__(
+        self,
+        np_dtype: type[np.floating[Any]],
+        onnx_dtype: int,
+        external: ExternalData | None = None,
+        accuracy: str = "mixed",
+    ) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.np_dtype = np_dtype
         self.onnx_dtype = onnx_dtype
+        self.external = external
+        self.accuracy = accuracy
+        # One block-sum of an activation serves every corrected matmul that reads it.
+        self._block_sums: dict[tuple[str, int], str] = {}
+        self._consts: set[str] = set()
 
     def init(self, name: str, array: np.ndarray[Any, Any]) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        if self.external is not None:
+            self.inits.append(self.external.tensor(name, array))
+        else:
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
     def weight(self, name: str, array: np.ndarray[Any, Any]) -> str:
         return self.init(name, array.astype(self.np_dtype))
+
+    def const(self, name: str, array: np.ndarray[Any, Any]) -> str:
+        """A constant by its name, made the first time it is asked for."""
+        if name not in self._consts:
+            self._consts.add(name)
+            self.init(name, array)
+        return name
 
     def node(
         self,
@@ -274,9 +375,13 @@ class _Graph:
         outputs: list[str],
         name: str,
         domain: str = "",
+        doc: str = "",
         **attrs: Any,
     ) -> list[str]:
-        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        node = helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs)
+        if doc:
+            node.doc_string = doc
+        self.nodes.append(node)
         return outputs
 
     def op(self, op: str, inputs: list[str], name: str, **attrs: Any) -> str:
@@ -289,6 +394,66 @@ class _Graph:
         rms = self.op("Sqrt", [var], f"{name}/sqrt")
         normed = self.op("Div", [x, rms], f"{name}/div")
         return self.op("Mul", [normed, weight], f"{name}/scale")
+
+    # ----------------------------------------------------------------- quantized
+
+    def quantized(self, name: str, q: QuantizedMatrix) -> tuple[str, str]:
+        """The blocks and scales of ``q`` as initializers ``name.packed`` / ``name.scales``."""
+        packed = self.init(f"{name}.packed", q.packed)
+        scales = self.init(f"{name}.scales", q.scales.astype(self.np_dtype))
+        return packed, scales
+
+    def block_sums(self, x: str, block: int, k: int) -> str:
+        """``x`` [..., K] summed over each block of ``block`` values: [..., K / block]."""
+        key = (x, block)
+        if key not in self._block_sums:
+            shape = self.const(
+                f"const/blocks_{k // block}x{block}", np.array([0, 0, k // block, block], np.int64)
+            )
+            blocks = self.op("Reshape", [x, shape], f"{x}/blocks{block}")
+            self._block_sums[key] = self.op(
+                "ReduceSum", [blocks, "const/axis_last"], f"{x}/block_sums{block}", keepdims=0
+            )
+        return self._block_sums[key]
+
+    def matmul_nbits(
+        self,
+        x: str,
+        q: QuantizedMatrix,
+        packed: str,
+        scales: str,
+        prefix: str,
+        offsets: str | None = None,
+        output: str | None = None,
+    ) -> str:
+        """``x @ q.T``: MatMulNBits, plus the exact correction of a per-block minimum
+        (the block sums of ``x`` times the offsets ``[K / block, N]``)."""
+        doc = f"weights {q.source}"
+        mm_out = output if output is not None and q.offsets is None else f"{prefix}/out"
+        y = self.node(
+            "MatMulNBits",
+            [x, packed, scales],
+            [mm_out],
+            prefix,
+            domain="com.microsoft",
+            doc=doc,
+            K=q.cols,
+            N=q.rows,
+            bits=q.bits,
+            block_size=q.block,
+            accuracy_level=accuracy_level(self.accuracy, prefix, q.bits),
+        )[0]
+        if q.offsets is None:
+            return y
+        if offsets is None:
+            offsets = self.init(
+                f"{packed.removesuffix('.packed')}.offsets", q.offsets.T.astype(self.np_dtype)
+            )
+        correction = self.op(
+            "MatMul", [self.block_sums(x, q.block, q.cols), offsets], f"{prefix}/min_correction"
+        )
+        out = output if output is not None else f"{prefix}/corrected"
+        return self.node("Add", [y, correction], [out], f"{prefix}/add_min")[0]
 
 
 @dataclass(frozen=True)
@@ -314,9 +479,11 @@ class DecoderShape:
     norm_in_float32: bool = False
 
 
-#: A weight in the graph's layout (matrices [in, out], as MatMul takes them), by
-#: the graph's initializer name and shape; asked for in a fixed order.
-WeightSource = Callable[[str, tuple[int, ...]], np.ndarray]
+#: A weight by the graph's initializer name and shape, asked for in a fixed order: a float
+#: array in the graph's layout (matrices [in, out], as MatMul takes them), or, for a matrix
+#: or the token embedding, a QuantizedMatrix ([out, in] blocks along in; the embedding
+#: [vocab, hidden] blocks along hidden), which the graph runs as MatMulNBits.
+WeightSource = Callable[[str, tuple[int, ...]], "np.ndarray[Any, Any] | QuantizedMatrix"]
 
 
 def _rope_caches(shape: DecoderShape) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -366,11 +533,20 @@ def build_decoder(
     dtype: str,
     *,
     graph_name: str = "kvmux-builtin",
+    external: ExternalData | None = None,
+    accuracy: str = "mixed",
 ) -> onnx.ModelProto:
     """The decoder graph (GroupQueryAttention, rotary inside it, not interleaved: the
-    rotate-half layout of Hugging Face checkpoints) with ``weights`` as initializers."""
+    rotate-half layout of Hugging Face checkpoints) with ``weights`` as initializers.
+
+    Quantized matrices run as ``MatMulNBits`` at ``accuracy`` (``ACCURACIES``); a
+    quantized embedding as ``GatherBlockQuantized``, sharing its blocks with a tied lm_head.
+    With ``external``, every initializer is written to its data file as it is made.
+    """
     np_dtype, onnx_dtype = _dtype(dtype)
-    g = _Graph(np_dtype, onnx_dtype)
+    if accuracy not in ACCURACIES:
+        raise ValueError(f"unknown accuracy {accuracy!r}; expected one of {list(ACCURACIES)}")
+    g = _Graph(np_dtype, onnx_dtype, external, accuracy)
     h, d, nh, nkv, inter = (
         shape.hidden_size,
         shape.head_size,
@@ -381,10 +557,23 @@ def build_decoder(
     vocab_size = shape.vocab_size
     upcast = shape.norm_in_float32 and onnx_dtype != TensorProto.FLOAT
 
-    def weight(name: str, dims: tuple[int, ...]) -> str:
+    def fetch(name: str, dims: tuple[int, ...]) -> np.ndarray[Any, Any] | QuantizedMatrix:
         array = weights(name, dims)
-        if array.shape != dims:
-            raise ValueError(f"weight {name} has shape {array.shape}, expected {dims}")
+        if isinstance(array, QuantizedMatrix):
+            # [out, in] for a matrix asked for as [in, out]; the embedding as it is.
+            got: tuple[int, ...] = (array.rows, array.cols)
+            if name != "model.embed_tokens.weight":
+                got = got[::-1]
+        else:
+            got = tuple(array.shape)
+        if got != dims:
+            raise ValueError(f"weight {name} has shape {got}, expected {dims}")
+        return array
+
+    def weight(name: str, dims: tuple[int, ...]) -> str:
+        array = fetch(name, dims)
+        if isinstance(array, QuantizedMatrix):
+            raise ValueError(f"weight {name} is quantized; the graph takes it as float only")
         return g.weight(name, array)
 
     def rms_norm(x: str, name: str, prefix: str) -> str:
@@ -396,8 +585,18 @@ def build_decoder(
         normed = g.rms_norm(x32, w32, prefix, eps="const/eps_float")
         return g.op("Cast", [normed], f"{prefix}/to_dtype", to=onnx_dtype)
 
+    def matmul(
+        x: str, name: str, dims: tuple[int, int], prefix: str, output: str | None = None
+    ) -> str:
+        w = fetch(name, dims)
+        if isinstance(w, QuantizedMatrix):
+            packed, scales = g.quantized(name, w)
+            return g.matmul_nbits(x, w, packed, scales, prefix, output=output)
+        out = output if output is not None else f"{prefix}/out"
+        return g.node("MatMul", [x, g.weight(name, w)], [out], prefix)[0]
+
     def project(x: str, name: str, dims: tuple[int, int], prefix: str, bias: bool) -> str:
-        out = g.op("MatMul", [x, weight(f"{name}.weight", dims)], prefix)
+        out = matmul(x, f"{name}.weight", dims, prefix)
         if bias:
             out = g.op("Add", [out, weight(f"{name}.bias", (dims[1],))], f"{prefix}/bias")
         return out
@@ -422,8 +621,16 @@ def build_decoder(
     total_len_i64 = g.op("Gather", [mask_shape, "const/index_1"], "mask/total_len", axis=0)
     total_len = g.op("Cast", [total_len_i64], "mask/total_len_i32", to=TensorProto.INT32)
 
-    embed = weight("model.embed_tokens.weight", (vocab_size, h))
-    x = g.op("Gather", [embed, "input_ids"], "model/embed", axis=0)
+    embed_name = "model.embed_tokens.weight"
+    embed_w = fetch(embed_name, (vocab_size, h))
+    embed_q: tuple[QuantizedMatrix, str, str] | None = None
+    if isinstance(embed_w, QuantizedMatrix):
+        packed, scales = g.quantized(embed_name, embed_w)
+        embed_q = (embed_w, packed, scales)
+        x = _gather_quantized(g, embed_w, packed, scales, embed_name, h)
+    else:
+        embed = g.weight(embed_name, embed_w)
+        x = g.op("Gather", [embed, "input_ids"], "model/embed", axis=0)
 
     graph_inputs = [
         helper.make_tensor_value_info(
@@ -457,7 +664,6 @@ def build_decoder(
         q = project(xn, f"{p}.attn.q_proj", (h, nh * d), f"{p}/attn/q_proj", bias)
         k = project(xn, f"{p}.attn.k_proj", (h, nkv * d), f"{p}/attn/k_proj", bias)
         v = project(xn, f"{p}.attn.v_proj", (h, nkv * d), f"{p}/attn/v_proj", bias)
-        wo = weight(f"{p}.attn.o_proj.weight", (nh * d, h))
         attn = g.node(
             "GroupQueryAttention",
             [q, k, v, past_k, past_v, seqlens_k, total_len, "cos_cache", "sin_cache"],
@@ -471,29 +677,33 @@ def build_decoder(
             local_window_size=-1,
             scale=float(1.0 / np.sqrt(d)),
         )[0]
-        o = g.op("MatMul", [attn, wo], f"{p}/attn/o_proj")
+        o = matmul(attn, f"{p}.attn.o_proj.weight", (nh * d, h), f"{p}/attn/o_proj")
         x = g.op("Add", [x, o], f"{p}/attn/residual")
 
         xn = rms_norm(x, f"{p}.post_attention_layernorm.weight", f"{p}/post_attention_layernorm")
-        wg = weight(f"{p}.mlp.gate_proj.weight", (h, inter))
-        wu = weight(f"{p}.mlp.up_proj.weight", (h, inter))
-        wd = weight(f"{p}.mlp.down_proj.weight", (inter, h))
-        gate = g.op("MatMul", [xn, wg], f"{p}/mlp/gate_proj")
-        up = g.op("MatMul", [xn, wu], f"{p}/mlp/up_proj")
+        gate = matmul(xn, f"{p}.mlp.gate_proj.weight", (h, inter), f"{p}/mlp/gate_proj")
+        up = matmul(xn, f"{p}.mlp.up_proj.weight", (h, inter), f"{p}/mlp/up_proj")
         sig = g.op("Sigmoid", [gate], f"{p}/mlp/sigmoid")
         silu = g.op("Mul", [gate, sig], f"{p}/mlp/silu")
         act = g.op("Mul", [silu, up], f"{p}/mlp/act")
-        down = g.op("MatMul", [act, wd], f"{p}/mlp/down_proj")
+        down = matmul(act, f"{p}.mlp.down_proj.weight", (inter, h), f"{p}/mlp/down_proj")
         x = g.op("Add", [x, down], f"{p}/mlp/residual")
 
     xn = rms_norm(x, "model.norm.weight", "model/norm")
-    if shape.tied_embeddings:
+    if shape.tied_embeddings and embed_q is not None:
+        # The embedding's own blocks (and scales) as the lm_head's: one copy in the file.
+        q_embed, packed, scales = embed_q
+        offsets = None
+        if q_embed.offsets is not None:
+            offsets = g.op("Transpose", [f"{embed_name}.offsets"], "lm_head/offsets", perm=[1, 0])
+        g.matmul_nbits(xn, q_embed, packed, scales, "lm_head", offsets=offsets, output="logits")
+    elif shape.tied_embeddings:
         # ORT folds the Transpose of a constant once, at session creation; the
         # file keeps one copy of the matrix.
         lm = g.op("Transpose", [embed], "lm_head/transpose", perm=[1, 0])
+        g.node("MatMul", [xn, lm], ["logits"], "lm_head")
     else:
-        lm = weight("lm_head.weight", (h, vocab_size))
-    g.node("MatMul", [xn, lm], ["logits"], "lm_head")
+        matmul(xn, "lm_head.weight", (h, vocab_size), "lm_head", output="logits")
 
     graph = helper.make_graph(g.nodes, graph_name, graph_inputs, graph_outputs, initializer=g.inits)
     model = helper.make_model(
@@ -504,6 +714,34 @@ def build_decoder(
     )
     model.ir_version = IR_VERSION
     return model
+
+
+def _gather_quantized(
+    g: _Graph, q: QuantizedMatrix, packed: str, scales: str, name: str, hidden: int
+) -> str:
+    """The embedding rows of ``input_ids`` from blocks: GatherBlockQuantized over the
+    [vocab, blocks, blob] table (the layout MatMulNBits shares), plus each block's offset."""
+    # GatherBlockQuantized takes scales of the data's rank: [vocab, blocks, 1].
+    scales3 = g.op("Unsqueeze", [scales, "const/axis_last"], "model/embed/scales")
+    rows = g.node(
+        "GatherBlockQuantized",
+        [packed, "input_ids", scales3],
+        ["model/embed/blocks"],
+        "model/embed",
+        domain="com.microsoft",
+        doc=f"weights {q.source}",
+        bits=q.bits,
+        block_size=q.block,
+        gather_axis=0,
+        quantize_axis=2,
+    )[0]
+    if q.offsets is not None:
+        offsets = g.init(f"{name}.offsets", q.offsets.astype(g.np_dtype))
+        picked = g.op("Gather", [offsets, "input_ids"], "model/embed/offsets", axis=0)
+        column = g.op("Unsqueeze", [picked, "const/axis_last"], "model/embed/offsets_column")
+        rows = g.op("Add", [rows, column], "model/embed/add_min")
+    flat = g.init("const/embed_shape", np.array([0, 0, hidden], np.int64))
+    return g.op("Reshape", [rows, flat], "model/embed/rows")
 
 
 def _decoder_shape(spec: BuiltinSize, vocab_size: int) -> DecoderShape:
@@ -601,14 +839,35 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- public
 
 
-def build_builtin(size: str, out_dir: Path, *, dtype: str = "float32") -> Path:
+def _int4(source: WeightSource) -> WeightSource:
+    """``source`` with every matrix but the embedding as :func:`quant.quantize_int4`."""
+
+    def load(name: str, dims: tuple[int, ...]) -> np.ndarray[Any, Any] | QuantizedMatrix:
+        w = source(name, dims)
+        if isinstance(w, np.ndarray) and w.ndim == 2 and not name.endswith("embed_tokens.weight"):
+            return quantize_int4(w.T)  # the graph's [in, out] as the quantizer's [out, in]
+        return w
+
+    return load
+
+
+def _precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {list(PRECISIONS)}")
+
+
+def build_builtin(
+    size: str, out_dir: Path, *, dtype: str = "float32", precision: str = "float"
+) -> Path:
     """Write the built-in model ``size`` ("tiny" or "small") into ``out_dir``; return it.
 
-    Deterministic: the same size and dtype give byte-identical files. Files already
-    in ``out_dir`` with the same names are overwritten.
+    ``precision`` "int4" quantizes the drawn weights (``PRECISIONS``). Deterministic: the
+    same size, dtype and precision give byte-identical files. Files already in ``out_dir``
+    with the same names are overwritten.
     """
     spec = _size(size)
     _dtype(dtype)
+    _precision(precision)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -618,7 +877,15 @@ def build_builtin(size: str, out_dir: Path, *, dtype: str = "float32") -> Path:
     write_json(out_dir / TOKENIZER_CONFIG_FILENAME, _tokenizer_config(spec))
     (out_dir / CHAT_TEMPLATE_FILENAME).write_text(CHAT_TEMPLATE + "\n", encoding="utf-8")
 
-    model = build_decoder(_decoder_shape(spec, vocab_size), _random_weights(spec), dtype)
+    weights = _random_weights(spec)
+    # int8 activations, as onnxruntime-genai's builder writes int4 for CPU: its kernels give
+    # a row the same bits alone or batched, which fp32's (M = 1 against M > 1) do not.
+    model = build_decoder(
+        _decoder_shape(spec, vocab_size),
+        _int4(weights) if precision == "int4" else weights,
+        dtype,
+        accuracy="int8",
+    )
     (out_dir / MODEL_FILENAME).write_bytes(model.SerializeToString(deterministic=True))
     # Written last: a folder with genai_config.json has everything else already.
     config = genai_config(
@@ -631,17 +898,23 @@ def build_builtin(size: str, out_dir: Path, *, dtype: str = "float32") -> Path:
     return out_dir
 
 
-def builtin_folder_name(size: str, dtype: str = "float32") -> str:
+def builtin_folder_name(size: str, dtype: str = "float32", precision: str = "float") -> str:
     """The cache folder name for a built-in model; it changes when the builder does."""
     _size(size)
     _dtype(dtype)
-    return f"kvmux-{size}-{dtype}-v{BUILDER_VERSION}"
+    _precision(precision)
+    weights = "" if precision == "float" else f"-{precision}"
+    return f"kvmux-{size}-{dtype}{weights}-v{BUILDER_VERSION}"
 
 
-def ensure_builtin(size: str, cache_dir: Path, *, dtype: str = "float32") -> Path:
+def ensure_builtin(
+    size: str, cache_dir: Path, *, dtype: str = "float32", precision: str = "float"
+) -> Path:
     """Return the built-in model folder under ``cache_dir``, building it on first use."""
-    final = Path(cache_dir) / builtin_folder_name(size, dtype)
-    return build_atomically(final, lambda tmp: build_builtin(size, tmp, dtype=dtype))
+    final = Path(cache_dir) / builtin_folder_name(size, dtype, precision)
+    return build_atomically(
+        final, lambda tmp: build_builtin(size, tmp, dtype=dtype, precision=precision)
+    )
 
 
 def build_atomically(final: Path, build: Callable[[Path], object]) -> Path:

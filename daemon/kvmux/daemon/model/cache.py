@@ -24,10 +24,25 @@ def default_model_cache() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvmux" / "models"
 
 
-def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
+#: ``model.precision``: "auto" serves each built-in as it comes (tiny and small float,
+#: SmolLM2 in its GGUF file's own quantized blocks); "float" serves float weights (SmolLM2
+#: dequantized); "int4" quantizes tiny and small (symmetric int4, blocks of 32) and serves
+#: SmolLM2's own 4-bit blocks.
+MODEL_PRECISIONS = ("auto", "float", "int4")
+
+
+def resolve_model(name: str, cache_dir: Path | None = None, precision: str = "auto") -> Path:
     """A built-in model (made on first use under ``cache_dir``) or a model folder path."""
+    if precision not in MODEL_PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {MODEL_PRECISIONS}")
     if name in BUILTIN_SIZES:
-        return ensure_builtin(name, cache_dir or default_model_cache())
+        weights = "int4" if precision == "int4" else "float"
+        return ensure_builtin(name, cache_dir or default_model_cache(), precision=weights)
     if name == "smollm2":
-        return ensure_smollm2(cache_dir or default_model_cache())
+        return ensure_smollm2(cache_dir or default_model_cache(), dequantize=precision == "float")
+    if precision != "auto":
+        raise ValueError(
+            f"precision {precision!r} applies to the built-in models {list(BUILTIN_MODELS)}; "
+            f"the folder {name} is served as it was built or imported"
+        )
     return Path(name)

@@ -61,7 +61,8 @@ _FLOAT_TYPES = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
 class ModelFeatures:
     """The graph and config features kvmux relies on, and the limits they impose."""
 
-    #: Weight precision as exported: "fp32", "fp16", "int4 (MatMulNBits, block 32)", ...
+    #: Weight precision as exported: "fp32", "fp16", or each quantized kind, e.g. "Q4_1 →
+    #: 4-bit + min correction, 210 MatMulNBits (block 32); ...; 118.7 MB of weights".
     precision: str
     attention_layers: int  # GroupQueryAttention nodes
     #: Window declared by genai_config.json model.decoder.sliding_window, if any.
@@ -122,23 +123,60 @@ def _attrs(node: Any) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _precision(graph: Any, nbits: list[dict[str, Any]]) -> str:
+#: Bytes per element of the initializer types weights come in.
+_ITEM_BYTES = {1: 4, 2: 1, 3: 1, 10: 2, 16: 2, 11: 8, 6: 4, 7: 8}
+_LEVELS = {0: "fp32", 1: "fp32", 2: "fp16", 3: "bf16", 4: "int8"}
+
+
+def _precision(graph: Any, nodes: list[Any]) -> str:
+    """Each weight kind's precision, as kvmux's import names it in the nodes' doc strings
+    ("weights Q4_1"), the MatMulNBits accuracy levels, and the bytes of weights."""
     floats: dict[str, int] = {}
+    weight_bytes = 0
     for init in graph.initializer:
+        n = 1
+        for d in init.dims:
+            n *= int(d)
+        weight_bytes += n * _ITEM_BYTES.get(init.data_type, 4)
         name = _FLOAT_TYPES.get(init.data_type)
         if name is not None and len(init.dims) == 2:  # matrices: the weights that matter
-            n = 1
-            for d in init.dims:
-                n *= int(d)
             floats[name] = floats.get(name, 0) + n
     dense = max(floats, key=lambda k: floats[k]) if floats else "fp32"
-    if not nbits:
+    names = {n.name for n in nodes}
+    gathered = {n.input[0]: n for n in nodes if n.op_type == "GatherBlockQuantized"}
+    groups: dict[tuple[str, int, int, bool], int] = {}
+    tied: list[str] = []
+    levels: dict[str, int] = {}
+    for node in nodes:
+        if node.op_type != "MatMulNBits":
+            continue
+        a = _attrs(node)
+        bits, block = int(a.get("bits", 4)), int(a.get("block_size", 0))
+        source = node.doc_string.removeprefix("weights ") if node.doc_string else f"int{bits}"
+        corrected = f"{node.name}/min_correction" in names
+        key = (source, bits, block, corrected)
+        groups[key] = groups.get(key, 0) + 1
+        if len(node.input) > 1 and node.input[1] in gathered:
+            tied.append(node.name)
+        level = _LEVELS.get(int(a.get("accuracy_level", 0)), str(a.get("accuracy_level")))
+        levels[level] = levels.get(level, 0) + 1
+    if not groups and not gathered:
         return dense
-    bits = sorted({int(a.get("bits", 4)) for a in nbits})
-    blocks = sorted({int(a.get("block_size", 0)) for a in nbits})
-    kinds = "/".join(f"int{b}" for b in bits)
-    block = ",".join(str(b) for b in blocks)
-    return f"{kinds} (MatMulNBits, block {block}; other weights {dense})"
+    parts = []
+    for (source, bits, block, corrected), count in groups.items():
+        kind = "" if source == f"int{bits}" else f" → {bits}-bit"
+        fix = " + min correction" if corrected else ""
+        parts.append(f"{source}{kind}{fix}, {count} MatMulNBits (block {block})")
+    for node in gathered.values():
+        a = _attrs(node)
+        source = node.doc_string.removeprefix("weights ") if node.doc_string else "quantized"
+        tie = f", tied to {', '.join(tied)}" if tied else ""
+        bits = int(a.get("bits", 4))
+        parts.append(f"embeddings {source} → {bits}-bit (GatherBlockQuantized{tie})")
+    if levels:
+        parts.append("accuracy " + ", ".join(f"{k} x{v}" for k, v in sorted(levels.items())))
+    parts.append(f"other weights {dense}; {weight_bytes / 1e6:.1f} MB of weights")
+    return "; ".join(parts)
 
 
 def _constant_ints(graph: Any) -> dict[str, list[int]]:
@@ -190,7 +228,6 @@ def read_features(folder: Path, name: str, model: Any, config: Mapping[str, Any]
     nodes = list(graph.node)
     gqa = [_attrs(n) for n in nodes if n.op_type == _GQA]
     other = sorted({n.op_type for n in nodes if n.op_type in _OTHER_ATTENTION})
-    nbits = [_attrs(n) for n in nodes if n.op_type == "MatMulNBits"]
     problems: list[str] = []
 
     # Hybrid models (LFM2's short convolutions, Mamba layers) carry a state
@@ -285,7 +322,7 @@ def read_features(folder: Path, name: str, model: Any, config: Mapping[str, Any]
     rotary = "; ".join(parts) or "none"
     softcap = max((float(a.get("softcap", 0.0)) for a in gqa), default=0.0)
     return ModelFeatures(
-        precision=_precision(graph, nbits),
+        precision=_precision(graph, nodes),
         attention_layers=len(gqa),
         declared_window=declared,
         graph_window=graph_window,

@@ -3,7 +3,9 @@ the key, and the error every GGUF problem becomes."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,19 @@ class GGUFFile:
                 f"(the file has {path.stat().st_size} bytes)",
             ) from exc
         self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def release(self, tensor: Any) -> None:
+        """Drop the file's pages under ``tensor`` from this process: the reader maps the
+        whole file, and pages read stay resident (counted in RSS) until dropped, so an
+        import that goes tensor by tensor holds one tensor's pages, not the file's."""
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is None:
+            return
+        start = int(tensor.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        # Advice only: a kernel that refuses it leaves the pages where they are.
+        with contextlib.suppress(OSError, ValueError):
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def fail(self, problem: str) -> GGUFImportError:
         return GGUFImportError(self.path, problem)

@@ -1,13 +1,14 @@
 """Import a GGUF file (llama.cpp's and Ollama's format) into the folder kvmux serves.
 
-The file is read with ggml's own ``gguf`` package: its reader for metadata and
-tensors, ``gguf.quants.dequantize`` for the quantized types. The weights are
-dequantized to float32 (or float16) and written through the same graph code as the
-built-in models (``builder.build_decoder``): ``model.onnx`` with GroupQueryAttention
-plus ``model.onnx.data``, ``genai_config.json``, ``tokenizer.json`` rebuilt from
-the file's vocabulary and merges, ``tokenizer_config.json`` and the file's chat
-template as ``chat_template.jinja``. kvmux then runs the dequantized weights: the
-quantization's loss is baked in, its memory saving is not kept.
+The file is read with ggml's own ``gguf`` package (metadata, tensors), one tensor at a
+time, and written through the same graph code as the built-in models
+(``builder.build_decoder``): ``model.onnx`` with GroupQueryAttention plus
+``model.onnx.data``, ``genai_config.json``, ``tokenizer.json`` rebuilt from the file's
+vocabulary and merges, ``tokenizer_config.json`` and the file's chat template as
+``chat_template.jinja``. The quantized matrices keep the file's own blocks
+(``quant.repack``: MatMulNBits, GatherBlockQuantized for the embedding, a block minimum
+as an exact correction); F32/F16/BF16 tensors and, with ``dequantize``, every weight are
+written as float (``gguf.quants.dequantize``).
 
 Architectures: ``llama`` (SmolLM2, Llama 2/3.0, TinyLlama's weights) and ``qwen2``.
 llama.cpp's converter reorders the rows of a ``llama`` file's q and k projections
@@ -15,12 +16,14 @@ for its interleaved rotary; they are put back in the rotate-half order the graph
 GroupQueryAttention (``rotary_interleaved=0``) and Hugging Face checkpoints use.
 ``qwen2`` files are written in that order already. Anything else (another
 architecture, rope scaling, a tensor the graph has no place for, a tokenizer that is
-not byte-level BPE, a tensor type the library cannot dequantize) is refused by name.
+not byte-level BPE, a tensor type with no mapping) is refused by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -28,6 +31,7 @@ from typing import Any, Final
 import numpy as np
 
 from kvmux.daemon.model.builder import (
+    ACCURACIES,
     CHAT_TEMPLATE_FILENAME,
     CONFIG_FILENAME,
     DTYPES,
@@ -35,12 +39,20 @@ from kvmux.daemon.model.builder import (
     TOKENIZER_CONFIG_FILENAME,
     TOKENIZER_FILENAME,
     DecoderShape,
+    ExternalData,
+    WeightSource,
     build_decoder,
     genai_config,
     write_json,
 )
 from kvmux.daemon.model.gguf_file import GGUFFile, GGUFImportError, sha256_of
-from kvmux.daemon.model.gguf_tokenizer import read_gguf_tokenizer, read_tokenizer, tokenizer_config
+from kvmux.daemon.model.gguf_tokenizer import (
+    GGUFTokenizer,
+    read_gguf_tokenizer,
+    read_tokenizer,
+    tokenizer_config,
+)
+from kvmux.daemon.model.quant import QuantError, QuantizedMatrix, repack
 
 __all__ = [
     "IMPORT_VERSION",
@@ -52,9 +64,8 @@ __all__ = [
 ]
 
 #: Bump when the import's output changes, so cached imports are redone.
-IMPORT_VERSION: Final = 1
+IMPORT_VERSION: Final = 2
 SUPPORTED_ARCHITECTURES: Final = ("llama", "qwen2")
-WEIGHTS_FILENAME: Final = MODEL_FILENAME + ".data"
 
 
 @dataclass(frozen=True)
@@ -149,30 +160,50 @@ def _unpermute(rows: np.ndarray[Any, Any], heads: int) -> np.ndarray[Any, Any]:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _weights(f: GGUFFile, model: _Model) -> Callable[[str, tuple[int, ...]], np.ndarray[Any, Any]]:
+#: Tensor types that stay float (converted to the graph's dtype); every other type is
+#: kept as its blocks (``quant.LAYOUTS``) or, with ``dequantize``, turned into float.
+_FLOAT_TYPES: Final = ("F32", "F16", "BF16")
+
+
+def _weights(f: GGUFFile, model: _Model, *, dequantize: bool) -> WeightSource:
     import gguf
 
     permute = {"attn_q.weight": model.shape.num_heads, "attn_k.weight": model.shape.num_kv_heads}
 
-    def load(name: str, dims: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    def load(name: str, dims: tuple[int, ...]) -> np.ndarray[Any, Any] | QuantizedMatrix:
         theirs = model.names[name]
         t = f.tensors[theirs]
+        kind = t.tensor_type.name
+        heads = permute.get(theirs.split(".", 2)[-1]) if model.arch == "llama" else None
         try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            if kind in _FLOAT_TYPES or dequantize or len(t.shape) != 2:
+                return _float(t, name, heads, dims)
+            # ggml's shape is (ne0 = values a row, ne1 = rows).
+            cols, rows = (int(n) for n in t.shape)
+            q = repack(t.data, kind, rows, cols)
+            if heads:
+                q = q.take_rows(_unpermute(np.arange(rows), heads))
+            return q
+        except QuantError as exc:
+            raise f.fail(f"tensor {theirs} {exc}") from exc
         except NotImplementedError as exc:
             raise f.fail(
-                f"tensor {theirs} is of type {t.tensor_type.name}, which the gguf "
-                "library cannot dequantize"
+                f"tensor {theirs} is of type {kind}, which the gguf library cannot dequantize"
             ) from exc
-        array = np.asarray(array, dtype=np.float32)
-        if model.arch == "llama" and (heads := permute.get(theirs.split(".", 2)[-1])):
+        finally:
+            f.release(t)
+
+    def _float(t: Any, name: str, heads: int | None, dims: tuple[int, ...]) -> np.ndarray[Any, Any]:
+        array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if heads:
             array = _unpermute(array, heads)
         # GGUF stores matrices [out, in] (numpy order); the graph's MatMul takes [in, out].
         if array.ndim == 2 and not name.endswith("embed_tokens.weight"):
             array = array.T
         if array.shape != dims:
             raise f.fail(
-                f"tensor {theirs} has shape {list(array.shape)} after import, expected {list(dims)}"
+                f"tensor {model.names[name]} has shape {list(array.shape)} after import, "
+                f"expected {list(dims)}"
             )
         return array
 
@@ -183,18 +214,30 @@ def _weights(f: GGUFFile, model: _Model) -> Callable[[str, tuple[int, ...]], np.
 
 
 def import_gguf(
-    path: Path, out_dir: Path, *, dtype: str = "float32", sha256: str | None = None
+    path: Path,
+    out_dir: Path,
+    *,
+    dtype: str = "float32",
+    dequantize: bool = False,
+    accuracy: str = "mixed",
+    sha256: str | None = None,
 ) -> Path:
     """Write the model folder for the GGUF file ``path`` into ``out_dir``; return it.
 
-    ``sha256`` (hex), when given, must match the file's digest before anything is read.
-    Raises :class:`GGUFImportError` naming what is wrong or unsupported.
+    The file's quantized matrices are kept as their blocks (MatMulNBits at ``accuracy``, see
+    ``builder.ACCURACIES``); ``dequantize`` writes every weight as float instead. ``dtype``
+    is the graph's float type (activations, KV, float weights). ``sha256`` (hex), when given,
+    must match the file's digest before anything is read. ``out_dir`` must be absent or an
+    empty folder: the model is written beside it and renamed into place, so a failed import
+    leaves nothing. Raises :class:`GGUFImportError` naming what is wrong or unsupported.
     """
-    import onnx
-
-    path = Path(path)
+    path, out_dir = Path(path), Path(out_dir)
     if dtype not in DTYPES:
         raise ValueError(f"unknown model dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    if accuracy not in ACCURACIES:
+        raise ValueError(f"unknown accuracy {accuracy!r}; expected one of {list(ACCURACIES)}")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} exists and is not an empty folder; import into a new one")
     if sha256 is not None:
         if not path.is_file():
             raise GGUFImportError(path, "does not exist")
@@ -212,8 +255,29 @@ def import_gguf(
             f"the vocabulary has {len(tok.tokens)} tokens, the embedding "
             f"{model.shape.vocab_size} rows"
         )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.importing-", dir=out_dir.parent))
+    try:
+        _write_folder(f, model, tok, staging, dtype=dtype, dequantize=dequantize, accuracy=accuracy)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above; a file put there since fails here
+        os.rename(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _write_folder(
+    f: GGUFFile,
+    model: _Model,
+    tok: GGUFTokenizer,
+    out_dir: Path,
+    *,
+    dtype: str,
+    dequantize: bool,
+    accuracy: str,
+) -> None:
     tok.tokenizer.save(str(out_dir / TOKENIZER_FILENAME), pretty=True)
     write_json(
         out_dir / TOKENIZER_CONFIG_FILENAME, tokenizer_config(tok, model.shape.context_length)
@@ -222,18 +286,21 @@ def import_gguf(
         # As transformers saves it: the template's text, nothing added.
         (out_dir / CHAT_TEMPLATE_FILENAME).write_text(tok.chat_template, encoding="utf-8")
 
-    graph = build_decoder(
-        model.shape, _weights(f, model), dtype, graph_name=f"kvmux-gguf-{model.arch}"
-    )
-    # External data: a protobuf holds at most 2 GB, and genai's exports do the same.
-    onnx.save_model(
-        graph,
-        str(out_dir / MODEL_FILENAME),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=WEIGHTS_FILENAME,
-        size_threshold=1024,
-    )
+    external = ExternalData(out_dir)
+    try:
+        graph = build_decoder(
+            model.shape,
+            _weights(f, model, dequantize=dequantize),
+            dtype,
+            graph_name=f"kvmux-gguf-{model.arch}",
+            external=external,
+            accuracy=accuracy,
+        )
+    except ValueError as exc:  # a tensor's shape that contradicts the metadata
+        raise f.fail(str(exc)) from exc
+    finally:
+        external.close()
+    (out_dir / MODEL_FILENAME).write_bytes(graph.SerializeToString())
     del graph
     eos_ids = tok.eos_token_ids
     eos: int | list[int] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
@@ -246,4 +313,3 @@ def import_gguf(
     )
     # Written last: a folder with genai_config.json has everything else already.
     write_json(out_dir / CONFIG_FILENAME, config)
-    return out_dir

@@ -119,16 +119,18 @@ def fetch_smollm2(cache_dir: Path) -> Path:
     return dest
 
 
-def smollm2_folder_name(dtype: str = "float32") -> str:
-    return f"kvmux-smollm2-{dtype}-v{IMPORT_VERSION}"
+def smollm2_folder_name(dtype: str = "float32", *, dequantize: bool = False) -> str:
+    weights = "float" if dequantize else "q4_1"
+    return f"kvmux-smollm2-{dtype}-{weights}-v{IMPORT_VERSION}"
 
 
-def ensure_smollm2(cache_dir: Path, *, dtype: str = "float32") -> Path:
-    """The imported SmolLM2 folder under ``cache_dir``, fetched and imported on first use."""
+def ensure_smollm2(cache_dir: Path, *, dtype: str = "float32", dequantize: bool = False) -> Path:
+    """The imported SmolLM2 folder under ``cache_dir``, fetched and imported on first use:
+    the file's own Q4_1/Q8_0 blocks, or every weight as float with ``dequantize``."""
     cache_dir = Path(cache_dir)
-    final = cache_dir / smollm2_folder_name(dtype)
+    final = cache_dir / smollm2_folder_name(dtype, dequantize=dequantize)
 
     def build(tmp: Path) -> None:
-        import_gguf(fetch_smollm2(cache_dir), tmp, dtype=dtype)
+        import_gguf(fetch_smollm2(cache_dir), tmp, dtype=dtype, dequantize=dequantize)
 
     return build_atomically(final, build)
