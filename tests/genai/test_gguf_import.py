@@ -7,7 +7,8 @@ gets them the way llama.cpp's converter writes them (a llama file's q/k rows
 permuted for its rotary); the checkpoint the builder exports holds the values the
 file stands for (Q8_0 dequantized). Equal tokens over 60 steps show the import
 undid the permutation, kept the biases and the tying, and read the quantized
-blocks right.
+blocks right. The import is ``dequantize``'s, float32 like the builder's export; the
+quantized import is held to it in tests/model/test_gguf_quantized.py.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def test_an_imported_gguf_decodes_to_the_generators_tokens(arch: str, tmp_path: 
         tmp_path / f"{arch}.gguf", arch, SHAPE, weights, vocab, quantized=quantized
     )
     # The file holds the quantized blocks; dequantizing again gives the same values.
-    ours = import_gguf(gguf_file, tmp_path / "kvmux")
+    ours = import_gguf(gguf_file, tmp_path / "kvmux", dequantize=True)
     assert load_model(ours).model_type == arch
     theirs = export_with_genai_builder(
         _hf_checkpoint(tmp_path / "hf", arch, weights, tokenizer), tmp_path / "genai"

@@ -588,18 +588,54 @@ def build_decoder(
     def matmul(
         x: str, name: str, dims: tuple[int, int], prefix: str, output: str | None = None
     ) -> str:
-        w = fetch(name, dims)
+        return emit(x, name, fetch(name, dims), prefix, output)
+
+    def emit(
+        x: str,
+        name: str,
+        w: np.ndarray[Any, Any] | QuantizedMatrix,
+        prefix: str,
+        output: str | None = None,
+    ) -> str:
         if isinstance(w, QuantizedMatrix):
             packed, scales = g.quantized(name, w)
             return g.matmul_nbits(x, w, packed, scales, prefix, output=output)
         out = output if output is not None else f"{prefix}/out"
         return g.node("MatMul", [x, g.weight(name, w)], [out], prefix)[0]
 
-    def project(x: str, name: str, dims: tuple[int, int], prefix: str, bias: bool) -> str:
-        out = matmul(x, f"{name}.weight", dims, prefix)
-        if bias:
-            out = g.op("Add", [out, weight(f"{name}.bias", (dims[1],))], f"{prefix}/bias")
-        return out
+    def projections(
+        x: str, parts: list[tuple[str, int]], prefix: str, fused: str, bias: bool
+    ) -> list[str] | str:
+        """``x`` through the matrices ``parts`` ((name, out features), read in this order,
+        each weight before its bias). Quantized ones of one layout run as one MatMulNBits
+        (and one min correction) over their stacked rows, returned as that one output
+        named ``prefix/fused``: fewer, larger kernels (a decode step is mostly kernel
+        launches at SmolLM2's size). Otherwise one output per part."""
+        ws = []
+        for name, n in parts:
+            ws.append(fetch(f"{name}.weight", (h, n)))
+            if bias:
+                ws.append(fetch(f"{name}.bias", (n,)))
+        mats = ws[:: 2 if bias else 1]
+        biases = [np.asarray(b) for b in ws[1::2]] if bias else []
+        quantized = [w for w in mats if isinstance(w, QuantizedMatrix)]
+        stacked = QuantizedMatrix.stack(quantized) if len(quantized) == len(mats) else None
+        if stacked is not None:
+            base = parts[0][0].rsplit(".", 1)[0]
+            out = emit(x, f"{base}.{fused}.weight", stacked, f"{prefix}/{fused}")
+            if bias:
+                b = g.weight(f"{base}.{fused}.bias", np.concatenate(biases))
+                out = g.op("Add", [out, b], f"{prefix}/{fused}/bias")
+            return out
+        outs = []
+        for i, (name, _n) in enumerate(parts):
+            short = name.rsplit(".", 1)[-1]
+            out = emit(x, f"{name}.weight", mats[i], f"{prefix}/{short}")
+            if bias:
+                b = g.weight(f"{name}.bias", biases[i])
+                out = g.op("Add", [out, b], f"{prefix}/{short}/bias")
+            outs.append(out)
+        return outs
 
     g.init("const/axis_last", np.array([-1], dtype=np.int64))
     g.init("const/axis_1", np.array([1], dtype=np.int64))
@@ -660,10 +696,19 @@ def build_decoder(
             )
 
         xn = rms_norm(x, f"{p}.input_layernorm.weight", f"{p}/input_layernorm")
-        bias = shape.qkv_bias
-        q = project(xn, f"{p}.attn.q_proj", (h, nh * d), f"{p}/attn/q_proj", bias)
-        k = project(xn, f"{p}.attn.k_proj", (h, nkv * d), f"{p}/attn/k_proj", bias)
-        v = project(xn, f"{p}.attn.v_proj", (h, nkv * d), f"{p}/attn/v_proj", bias)
+        qkv = projections(
+            xn,
+            [
+                (f"{p}.attn.q_proj", nh * d),
+                (f"{p}.attn.k_proj", nkv * d),
+                (f"{p}.attn.v_proj", nkv * d),
+            ],
+            f"{p}/attn",
+            "qkv_proj",
+            shape.qkv_bias,
+        )
+        # One packed [q | k | v] input, key and value left out: GQA's packed form.
+        q, k, v = [qkv, "", ""] if isinstance(qkv, str) else qkv
         attn = g.node(
             "GroupQueryAttention",
             [q, k, v, past_k, past_v, seqlens_k, total_len, "cos_cache", "sin_cache"],
@@ -681,8 +726,24 @@ def build_decoder(
         x = g.op("Add", [x, o], f"{p}/attn/residual")
 
         xn = rms_norm(x, f"{p}.post_attention_layernorm.weight", f"{p}/post_attention_layernorm")
-        gate = matmul(xn, f"{p}.mlp.gate_proj.weight", (h, inter), f"{p}/mlp/gate_proj")
-        up = matmul(xn, f"{p}.mlp.up_proj.weight", (h, inter), f"{p}/mlp/up_proj")
+        gate_up = projections(
+            xn,
+            [(f"{p}.mlp.gate_proj", inter), (f"{p}.mlp.up_proj", inter)],
+            f"{p}/mlp",
+            "gate_up_proj",
+            False,
+        )
+        if isinstance(gate_up, str):
+            gate, up = g.node(
+                "Split",
+                [gate_up],
+                [f"{p}/mlp/gate", f"{p}/mlp/up"],
+                f"{p}/mlp/split",
+                axis=-1,
+                num_outputs=2,
+            )
+        else:
+            gate, up = gate_up
         sig = g.op("Sigmoid", [gate], f"{p}/mlp/sigmoid")
         silu = g.op("Mul", [gate, sig], f"{p}/mlp/silu")
         act = g.op("Mul", [silu, up], f"{p}/mlp/act")

@@ -94,6 +94,26 @@ class QuantizedMatrix:
             offsets=None if self.offsets is None else self.offsets[order],
         )
 
+    @staticmethod
+    def stack(parts: list[QuantizedMatrix]) -> QuantizedMatrix | None:
+        """``parts`` as one matrix, their rows one after another (q, k and v as one QKV
+        projection), or None when their layouts differ (bits, block, a minimum or not)."""
+        first = parts[0]
+        layout = (first.bits, first.block, first.cols, first.offsets is None)
+        if any((q.bits, q.block, q.cols, q.offsets is None) != layout for q in parts):
+            return None
+        sources = list(dict.fromkeys(q.source for q in parts))
+        return replace(
+            first,
+            source="+".join(sources),
+            rows=sum(q.rows for q in parts),
+            packed=np.concatenate([q.packed for q in parts]),
+            scales=np.concatenate([q.scales for q in parts]),
+            offsets=None
+            if first.offsets is None
+            else np.concatenate([q.offsets for q in parts if q.offsets is not None]),
+        )
+
     def astype(self, dtype: type[np.floating[Any]]) -> QuantizedMatrix:
         """Scales and offsets in ``dtype`` (MatMulNBits takes scales of the activations' type)."""
         return replace(
