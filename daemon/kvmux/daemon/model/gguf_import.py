@@ -4,7 +4,7 @@ The file is read with ggml's own ``gguf`` package (metadata, tensors), one tenso
 time, and written through the same graph code as the built-in models
 (``builder.build_decoder``): ``model.onnx`` with GroupQueryAttention plus
 ``model.onnx.data``, ``genai_config.json``, ``tokenizer.json`` rebuilt from the file's
-vocabulary and merges, ``tokenizer_config.json`` and the file's chat template as
+vocabulary, ``tokenizer_config.json`` and the file's chat template as
 ``chat_template.jinja``. The quantized matrices keep the file's own blocks
 (``quant.repack``: MatMulNBits, GatherBlockQuantized for the embedding, a block minimum
 as an exact correction); F32/F16/BF16 tensors and, with ``dequantize``, every weight are
@@ -16,7 +16,8 @@ for its interleaved rotary; they are put back in the rotate-half order the graph
 GroupQueryAttention (``rotary_interleaved=0``) and Hugging Face checkpoints use.
 ``qwen2`` files are written in that order already. Anything else (another
 architecture, rope scaling, a tensor the graph has no place for, a tokenizer that is
-not byte-level BPE, a tensor type with no mapping) is refused by name.
+neither byte-level BPE nor SentencePiece, a tensor type with no mapping) is refused by
+name.
 """
 
 from __future__ import annotations
