@@ -337,3 +337,36 @@ def write_sentencepiece_gguf(
     with_metadata(plain, path, values, remove=remove)
     plain.unlink()
     return path
+
+
+# --------------------------------------------------------------------------- rope scaling
+
+
+def llama3_rope_freqs(
+    base: float,
+    dim: int,
+    *,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> np.ndarray[Any, Any]:
+    """The ``rope_freqs.weight`` llama.cpp's convert_hf_to_gguf.py writes for a checkpoint
+    with Llama 3.1's ``rope_scaling`` (LlamaModel.generate_extra_tensors): its arithmetic,
+    float32 as its torch tensors are."""
+    import math
+
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    old = original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old / low_freq_factor, old / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = np.float32(2 * math.pi) / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
