@@ -199,3 +199,174 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# --------------------------------------------------------------------------- SentencePiece
+
+
+def train_sentencepiece(
+    *,
+    add_dummy_prefix: bool = True,
+    user_defined: Iterable[str] = (),
+    ids: Mapping[str, int] | None = None,
+    size: int = 600,
+) -> Any:
+    """A SentencePiece BPE trained by the sentencepiece package on the builder's synthetic
+    corpus, set up as Llama's and Gemma's are: byte fallback, digits split, no normalization.
+
+    ``ids`` places the pieces ``unk``, ``bos``, ``eos`` and ``pad`` (-1: none); Llama's
+    order by default."""
+    import io
+
+    import sentencepiece as spm
+
+    place = {"unk": 0, "bos": 1, "eos": 2, "pad": -1, **(ids or {})}
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_corpus(7)),
+        model_writer=model,
+        vocab_size=size,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        character_coverage=0.9995,
+        add_dummy_prefix=add_dummy_prefix,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        user_defined_symbols=list(user_defined),
+        unk_id=place["unk"],
+        bos_id=place["bos"],
+        eos_id=place["eos"],
+        pad_id=place["pad"],
+        num_threads=1,
+        minloglevel=2,
+    )
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def sentencepiece_vocab(sp: Any, *, user_defined: Iterable[str] = ()) -> tuple[Vocab, list[float]]:
+    """(the vocabulary, its scores) as llama.cpp's convert_hf_to_gguf.py writes a
+    SentencePiece model (``_create_vocab_sentencepiece``): each piece's text, score and
+    type; the pieces a tokenizer_config.json lists as ordinary added tokens
+    (``user_defined``) become USER_DEFINED, with "▁" written as a space, scored -1000."""
+    import gguf
+
+    kinds = gguf.TokenType
+    user_defined = set(user_defined)
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        piece = sp.id_to_piece(i)
+        score, kind = sp.get_score(i), kinds.NORMAL
+        if sp.is_unknown(i):
+            kind = kinds.UNKNOWN
+        elif sp.is_control(i):
+            kind = kinds.CONTROL
+        elif sp.is_unused(i):
+            kind = kinds.UNUSED
+        elif sp.is_byte(i):
+            kind = kinds.BYTE
+        if piece in user_defined:
+            piece, kind, score = piece.replace("\u2581", " "), kinds.USER_DEFINED, -1000.0
+        tokens.append(piece)
+        scores.append(score)
+        types.append(int(kind))
+    return Vocab(tokens, [], types), scores
+
+
+def _metadata_value(value: Any) -> Any:
+    """gguf_new_metadata's MetadataDetails for a Python value."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails
+
+    kind = gguf.GGUFValueType
+    scalar = {bool: kind.BOOL, int: kind.UINT32, float: kind.FLOAT32, str: kind.STRING}
+    if isinstance(value, list):
+        return MetadataDetails(kind.ARRAY, value, sub_type=scalar[type(value[0])])
+    return MetadataDetails(scalar[type(value)], value)
+
+
+def with_metadata(
+    src: Path, dst: Path, values: Mapping[str, Any], *, remove: Iterable[str] = ()
+) -> Path:
+    """A copy of GGUF file ``src`` with metadata keys set or added (``values``) and keys
+    left out (``remove``), made by gguf's own gguf_new_metadata."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import copy_with_new_metadata
+
+    reader = gguf.GGUFReader(src, "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    assert arch is not None, src
+    writer = gguf.GGUFWriter(str(dst), str(arch.contents()), endianess=reader.endianess)
+    new = {key: _metadata_value(value) for key, value in values.items()}
+    copy_with_new_metadata(reader, writer, new, list(remove))
+    return dst
+
+
+def write_sentencepiece_gguf(
+    path: Path,
+    arch: str,
+    shape: TinyShape,
+    weights: Mapping[str, np.ndarray[Any, Any]],
+    vocab: Vocab,
+    scores: list[float],
+    *,
+    add_space_prefix: bool | None = None,
+    add_bos: bool | None = None,
+    ids: Mapping[str, int] | None = None,
+) -> Path:
+    """``write_gguf`` with a SentencePiece vocabulary (``tokenizer.ggml.model = "llama"``,
+    scores, no merges) as convert_hf_to_gguf.py writes one. None leaves the add-space-prefix
+    and add-BOS flags out of the file; ``ids`` sets ``tokenizer.ggml.<name>_token_id``."""
+    plain = write_gguf(
+        path.with_name(f".{path.name}.plain"),
+        arch,
+        shape,
+        weights,
+        vocab,
+        pre="default",
+        tokenizer_model="llama",
+    )
+    values: dict[str, Any] = {"tokenizer.ggml.scores": scores}
+    values |= {f"tokenizer.ggml.{name}_token_id": i for name, i in (ids or {}).items()}
+    if add_space_prefix is not None:
+        values["tokenizer.ggml.add_space_prefix"] = add_space_prefix
+    if add_bos is not None:
+        values["tokenizer.ggml.add_bos_token"] = add_bos
+    remove = [] if add_bos is not None else ["tokenizer.ggml.add_bos_token"]
+    with_metadata(plain, path, values, remove=remove)
+    plain.unlink()
+    return path
+
+
+# --------------------------------------------------------------------------- rope scaling
+
+
+def llama3_rope_freqs(
+    base: float,
+    dim: int,
+    *,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> np.ndarray[Any, Any]:
+    """The ``rope_freqs.weight`` llama.cpp's convert_hf_to_gguf.py writes for a checkpoint
+    with Llama 3.1's ``rope_scaling`` (LlamaModel.generate_extra_tensors): its arithmetic,
+    float32 as its torch tensors are."""
+    import math
+
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    old = original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old / low_freq_factor, old / high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = np.float32(2 * math.pi) / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)

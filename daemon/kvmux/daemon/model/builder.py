@@ -477,6 +477,10 @@ class DecoderShape:
     #: RMSNorm computed in float32 inside a float16 graph: real models' activations
     #: squared overflow float16.
     norm_in_float32: bool = False
+    #: What each rotary frequency (head_size / 2 of them, the fastest first) is divided
+    #: by: llama.cpp's freq factors (Llama 3.1's ``rope_freqs``) times a linear
+    #: scaling's factor. None: unscaled.
+    rope_factors: tuple[float, ...] | None = None
 
 
 #: A weight by the graph's initializer name and shape, asked for in a fixed order: a float
@@ -491,6 +495,12 @@ def _rope_caches(shape: DecoderShape) -> tuple[np.ndarray[Any, Any], np.ndarray[
     inv_freq = 1.0 / (
         shape.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / shape.head_size)
     )
+    if shape.rope_factors is not None:
+        if len(shape.rope_factors) != half:
+            raise ValueError(
+                f"{len(shape.rope_factors)} rope factors for {half} rotary frequencies"
+            )
+        inv_freq = inv_freq / np.asarray(shape.rope_factors, dtype=np.float64)
     positions = np.arange(shape.context_length, dtype=np.float64)
     angles = np.outer(positions, inv_freq)
     return np.cos(angles), np.sin(angles)

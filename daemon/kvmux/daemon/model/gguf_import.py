@@ -4,19 +4,22 @@ The file is read with ggml's own ``gguf`` package (metadata, tensors), one tenso
 time, and written through the same graph code as the built-in models
 (``builder.build_decoder``): ``model.onnx`` with GroupQueryAttention plus
 ``model.onnx.data``, ``genai_config.json``, ``tokenizer.json`` rebuilt from the file's
-vocabulary and merges, ``tokenizer_config.json`` and the file's chat template as
+vocabulary, ``tokenizer_config.json`` and the file's chat template as
 ``chat_template.jinja``. The quantized matrices keep the file's own blocks
 (``quant.repack``: MatMulNBits, GatherBlockQuantized for the embedding, a block minimum
 as an exact correction); F32/F16/BF16 tensors and, with ``dequantize``, every weight are
 written as float (``gguf.quants.dequantize``).
 
-Architectures: ``llama`` (SmolLM2, Llama 2/3.0, TinyLlama's weights) and ``qwen2``.
+Architectures: ``llama`` (SmolLM2, Llama 2/3/3.1, TinyLlama's weights) and ``qwen2``.
 llama.cpp's converter reorders the rows of a ``llama`` file's q and k projections
 for its interleaved rotary; they are put back in the rotate-half order the graph's
 GroupQueryAttention (``rotary_interleaved=0``) and Hugging Face checkpoints use.
-``qwen2`` files are written in that order already. Anything else (another
-architecture, rope scaling, a tensor the graph has no place for, a tokenizer that is
-not byte-level BPE, a tensor type with no mapping) is refused by name.
+``qwen2`` files are written in that order already.
+Rope scaling is read as llama.cpp reads it: linear (a factor on every frequency) and
+Llama 3.1's (a ``llama`` file's ``rope_freqs.weight``, a factor per frequency), both
+folded into the rotary caches. Anything else (another architecture, YaRN or another
+rope scaling, a tensor the graph has no place for, a tokenizer that is neither
+byte-level BPE nor SentencePiece, a tensor type with no mapping) is refused by name.
 """
 
 from __future__ import annotations
@@ -90,9 +93,7 @@ def _read_model(f: GGUFFile) -> _Model:
     rotary = f.int_(f"{arch}.rope.dimension_count", head_size)
     if rotary != head_size:
         raise f.fail(f"partial rotary ({rotary} of {head_size} dims) is not supported")
-    scaling = f.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise f.fail(f"rope scaling {scaling!r} is not supported")
+    rope_factors, rope_tensors = _rope_scaling(f, arch, rotary)
     if heads == 0 or kv_heads == 0 or heads % kv_heads:
         raise f.fail(f"{heads} attention heads do not group over {kv_heads} kv heads")
     embed = f.tensors.get("token_embd.weight")
@@ -114,6 +115,7 @@ def _read_model(f: GGUFFile) -> _Model:
         qkv_bias=arch == "qwen2",
         tied_embeddings=tied,
         norm_in_float32=True,
+        rope_factors=rope_factors,
     )
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -142,15 +144,62 @@ def _read_model(f: GGUFFile) -> _Model:
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise f.fail(f"tensor {', '.join(map(repr, missing[:5]))}{more} missing ({arch})")
-    unused = sorted(set(f.tensors) - set(names.values()))
+    unused = sorted(set(f.tensors) - set(names.values()) - rope_tensors)
     if unused:
-        # rope_freqs.weight (Llama 3.1's rope scaling), a sliding window's, a MoE's:
-        # each changes what the model computes, so none is dropped silently.
+        # A sliding window's, a MoE's, LongRoPE's factors: each changes what the
+        # model computes, so none is dropped silently.
         raise f.fail(
             f"tensor {', '.join(map(repr, unused[:5]))} has no place in kvmux's {arch} "
             "graph (not supported)"
         )
     return _Model(arch, shape, names)
+
+
+def _rope_scaling(f: GGUFFile, arch: str, rotary: int) -> tuple[tuple[float, ...] | None, set[str]]:
+    """(what each rotary frequency is divided by, or None; the tensors that say so), as
+    llama.cpp reads them: a scaling type absent means "linear", whose factor (absent or
+    0: none) divides every frequency; a ``llama`` file's ``rope_freqs.weight`` (Llama
+    3.1's scaling, as convert_hf_to_gguf computes it) divides each by its own factor."""
+    import gguf
+
+    scaling = f.get(f"{arch}.rope.scaling.type", "linear")
+    if scaling not in ("none", "linear"):
+        raise f.fail(
+            f"rope scaling {scaling!r} is not supported; kvmux imports linear scaling "
+            "and Llama 3.1's rope_freqs"
+        )
+    factor = 1.0
+    if scaling == "linear":
+        key = f"{arch}.rope.scaling.factor"
+        if f.get(key, None) is None:
+            key = f"{arch}.rope.scale_linear"  # the key's older name
+        factor = f.float_(key, 0.0) or 1.0
+        if not 0.0 < factor < float("inf"):
+            raise f.fail(f"metadata {key} is {factor!r}, expected a positive factor")
+    # llama.cpp scales every rotated q and k by it, whatever the scaling type.
+    attn_factor = f.float_(f"{arch}.rope.scaling.attn_factor", 1.0)
+    if attn_factor != 1.0:
+        raise f.fail(
+            f"metadata {arch}.rope.scaling.attn_factor is {attn_factor!r}; "
+            "a rope attention factor is not supported"
+        )
+    factors = np.full(rotary // 2, factor)
+    tensors: set[str] = set()
+    freqs = f.tensors.get("rope_freqs.weight")
+    if freqs is not None and arch == "llama":
+        values = np.asarray(gguf.quants.dequantize(freqs.data, freqs.tensor_type), np.float64)
+        if values.size != rotary // 2:
+            raise f.fail(
+                f"tensor rope_freqs.weight has {values.size} factors, expected "
+                f"{rotary // 2} (one per rotary frequency)"
+            )
+        if not np.all(np.isfinite(values) & (values > 0)):
+            raise f.fail("tensor rope_freqs.weight holds a factor that is not a positive number")
+        factors = factors * values.reshape(-1)
+        tensors.add("rope_freqs.weight")
+    if np.all(factors == 1.0):
+        return None, tensors
+    return tuple(float(x) for x in factors), tensors
 
 
 def _unpermute(rows: np.ndarray[Any, Any], heads: int) -> np.ndarray[Any, Any]:
