@@ -520,6 +520,8 @@ _ERROR_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
