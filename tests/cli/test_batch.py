@@ -141,7 +141,7 @@ def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
         (openai({"prompt": "x", "frobnicate": 1}), "unknown field `body.frobnicate`"),
         (
             openai({"prompt": "x", "temprature": 0}),
-            "unknown field `body.temprature` for /v1/completions (did you mean `body.temperature`?)",
+            "`body.temprature` for /v1/completions (did you mean `body.temperature`?)",
         ),
         (openai({"prompt": "x"}, custom="a"), "`custom` (did you mean `custom_id`?)"),
     ],

@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,19 @@ def test_an_http_port_in_use_names_the_address_and_the_key(
     ]
     assert f"http.listen 127.0.0.1:{port}: address already in use" in failed["error"]
     assert "kvmuxd --http" in failed["error"]
+
+
+def test_kvmux_status_at_the_http_port_says_it_is_the_http_api(daemon: DaemonProcess) -> None:
+    address = daemon.http_url.removeprefix("http://")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmux.client.cli", "status", "--endpoint", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stdout
+    assert f"not reachable at tcp://{address}" in done.stderr
+    assert "an HTTP server answers there: kvmuxd's OpenAI API (http.listen)" in done.stderr
+    assert took < 8, took  # told at once, not after --timeout's 10 s
