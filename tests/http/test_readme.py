@@ -31,6 +31,18 @@ def _as_the_test_daemon(code: str, daemon: DaemonProcess) -> str:
     return code.replace(WRITTEN, daemon.http_url).replace(SHIPPED_MODEL, '"tiny"')
 
 
+def _runs_and_prints(code: str, daemon: DaemonProcess) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _as_the_test_daemon(code, daemon)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
 def test_the_readme_examples_point_at_the_shipped_configs_address() -> None:
     assert all(WRITTEN in block for block in _blocks("python") + _blocks("sh"))
     shipped = (ROOT / "configs" / "local.toml").read_text(encoding="utf-8")
@@ -42,16 +54,7 @@ def test_the_readme_examples_point_at_the_shipped_configs_address() -> None:
 
 @pytest.mark.parametrize("index", range(3))
 def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> None:
-    code = _as_the_test_daemon(_blocks("python")[index], daemon)
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip()
+    _runs_and_prints(_blocks("python")[index], daemon)
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the manual's shell examples use curl")
@@ -73,12 +76,4 @@ def test_the_front_pages_example_runs(daemon: DaemonProcess) -> None:
     front = (ROOT / "README.md").read_text(encoding="utf-8")
     (code,) = re.findall(r"```python\n(.*?)```", front, re.S)
     assert WRITTEN in code and SHIPPED_MODEL in code
-    done = subprocess.run(
-        [sys.executable, "-c", _as_the_test_daemon(code, daemon)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip()
+    _runs_and_prints(code, daemon)
