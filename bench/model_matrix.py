@@ -8,9 +8,9 @@ load it in kvmux; if kvmux accepts it, decode greedily through the
 of 8, so the KV grows several times) and compare token for token with
 onnxruntime-genai's Generator.
 
-Prints the markdown table that README.md carries between its
+Prints the markdown table that docs/models.md carries between its
 ``model-matrix`` markers; ``--write`` puts it there, ``--check`` exits 1 if
-README.md holds another table (distinct-token counts aside: an int4 export's
+docs/models.md holds another table (distinct-token counts aside: an int4 export's
 depend on the CPU) or if any entry decodes differently from the Generator
 (CI runs that). Timings go to stderr and bench/results/.
 Needs the [genai] extra. Usage:
@@ -28,7 +28,7 @@ import time
 from bench.common import ROOT, write_json
 from tests.genai import matrix as m
 
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "models.md"
 BEGIN = "<!-- model-matrix:begin (python -m bench.model_matrix --write) -->"
 END = "<!-- model-matrix:end -->"
 
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default=",".join(f.name for f in m.FAMILIES))
     parser.add_argument("--precisions", default=",".join(m.PRECISIONS))
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="put the table into README.md")
-    mode.add_argument("--check", action="store_true", help="fail unless README.md holds it")
+    mode.add_argument("--write", action="store_true", help="put the table into docs/models.md")
+    mode.add_argument("--check", action="store_true", help="fail unless docs/models.md holds it")
     args = parser.parse_args(argv)
     families = [m.BY_NAME[n] for n in args.families.split(",")]
     precisions = args.precisions.split(",")
@@ -159,18 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     for o in failed:
         print(f"FAIL {o.family} {o.precision}: {o.status}: {o.detail}", file=sys.stderr)
     if args.write:
-        readme = README.read_text(encoding="utf-8")
+        readme = PAGE.read_text(encoding="utf-8")
         if readme_block(readme) is None:
-            print(f"README.md has no {BEGIN} ... {END} block", file=sys.stderr)
+            print(f"docs/models.md has no {BEGIN} ... {END} block", file=sys.stderr)
             return 1
         head, rest = readme.split(BEGIN, 1)
         tail = rest.split(END, 1)[1]
-        README.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}", encoding="utf-8")
+        PAGE.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}", encoding="utf-8")
     if args.check:
-        block = readme_block(README.read_text(encoding="utf-8"))
+        block = readme_block(PAGE.read_text(encoding="utf-8"))
         if block is None or comparable(block) != comparable(text):
             print(
-                "README.md's model matrix differs from this run: run "
+                "docs/models.md's model matrix differs from this run: run "
                 "python -m bench.model_matrix --write",
                 file=sys.stderr,
             )

@@ -8,6 +8,7 @@
 #   5. ask one chat completion of OpenAI's HTTP API the daemon serves beside its socket,
 #   6. submit examples/structured.jsonl: one answer constrained to a JSON schema,
 #   7. stop the daemon (SIGTERM), also when a step fails or on Ctrl-C.
+# Its job journal stays in its own folder, out of the user's ~/.local/state/kvmux/.
 #
 # examples/prompts.jsonl holds one item that deliberately exceeds its
 # max_context, so `kvmux submit` exits 2 ("some items failed"). This script
@@ -16,7 +17,7 @@
 # else: the submit's exit status (1 if the submit itself exited 0).
 #
 # Environment: PYTHON (default python3) makes the venv; KVMUX_QUICKSTART_DIR
-# keeps the daemon log and results (default: a new temporary folder).
+# keeps the daemon log, results and job journal (default: a new temporary folder).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -34,6 +35,9 @@ work=${KVMUX_QUICKSTART_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvmux-quickstart.XXXXX
 mkdir -p "$work"
 results=$work/results.jsonl
 daemon_log=$work/kvmuxd.log
+# Its jobs stay in this folder: the user's own journal (~/.local/state/kvmux/) would
+# list them in a later `kvmux jobs` against their own daemon.
+journal=$work/jobs.sqlite3
 
 # Talk to the daemon started here, not to a system service that may also run.
 KVMUX_ENDPOINT=$("$py" -c 'from kvmux.client import daemon_default_endpoint as d; print(d())')
@@ -41,7 +45,7 @@ export KVMUX_ENDPOINT
 
 # HTTP on a free port rather than the config's 8000, which something else may hold.
 echo "quickstart: starting kvmuxd --config configs/local.toml at $KVMUX_ENDPOINT (log: $daemon_log)"
-"$venv/bin/kvmuxd" --config configs/local.toml --http 127.0.0.1:0 >"$daemon_log" 2>&1 &
+"$venv/bin/kvmuxd" --config configs/local.toml --http 127.0.0.1:0 --journal "$journal" >"$daemon_log" 2>&1 &
 daemon=$!
 
 stop_daemon() {
@@ -150,8 +154,14 @@ print("yes" if ok else "no")
 EOF
 ) || schema_ok=no
 
+journal_ok=no
+[[ -e $journal ]] && journal_ok=yes
+
 echo
-if [[ $rc -eq 2 && $expected == yes && -n $answered && $schema_ok == yes ]]; then
+if [[ $journal_ok != yes ]]; then
+    echo "quickstart: the job journal is not in $journal: the jobs went to another journal" >&2
+fi
+if [[ $rc -eq 2 && $expected == yes && -n $answered && $schema_ok == yes && $journal_ok == yes ]]; then
     echo "quickstart: as designed: every item ok except the one over its max_context (kv_capacity_exceeded), the HTTP API answered, and the JSON matched its schema"
     exit 0
 fi

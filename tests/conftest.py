@@ -45,6 +45,23 @@ def _private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
         os.environ["XDG_STATE_HOME"] = saved
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _daemons_die_with_the_tests() -> Iterator[None]:
+    """Every kvmuxd a test starts (its environment inherits this) dies with the process
+    that started it: a test run killed from outside leaves no daemon behind."""
+    import os
+
+    from kvmux.daemon.__main__ import DIE_WITH_PARENT_ENV
+
+    saved = os.environ.get(DIE_WITH_PARENT_ENV)
+    os.environ[DIE_WITH_PARENT_ENV] = "1"
+    yield
+    if saved is None:
+        del os.environ[DIE_WITH_PARENT_ENV]
+    else:
+        os.environ[DIE_WITH_PARENT_ENV] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in tiny model, built once per test run."""

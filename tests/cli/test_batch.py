@@ -109,7 +109,10 @@ def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
     [
         (b'{"prompt": "x", ', "not valid JSON"),
         (b"[1, 2]", "expected a JSON object, got an array"),
-        (line({"prompt": "x", "max_token": 3}), "unknown field `max_token`"),
+        (
+            line({"prompt": "x", "max_token": 3}),
+            "unknown field `max_token`: did you mean `max_tokens`?",
+        ),
         (line({"prompt": "x", "max_tokens": 0}), "`max_tokens`"),
         (line({"prompt": "x", "top_p": 2}), "`top_p`"),
         (line({"prompt": "x", "stop": ["ok", ""]}), "`stop[1]`"),
@@ -136,10 +139,22 @@ def test_openai_line_maps_body_and_applies_the_api_default_max_tokens() -> None:
         (openai({"prompt": "x", "logprobs": True}), "`body.logprobs`"),
         (openai({"prompt": "x", "max_tokens": -1}), "`body.max_tokens`"),
         (openai({"prompt": "x", "frobnicate": 1}), "unknown field `body.frobnicate`"),
+        (
+            openai({"prompt": "x", "temprature": 0}),
+            "`body.temprature` for /v1/completions (did you mean `body.temperature`?)",
+        ),
+        (openai({"prompt": "x"}, custom="a"), "`custom` (did you mean `custom_id`?)"),
     ],
 )
 def test_a_bad_line_is_refused_with_its_reason(raw: bytes, reason: str) -> None:
     assert reason in refused(raw).reason
+
+
+def test_a_typo_gets_its_correction_and_a_field_like_nothing_gets_the_list() -> None:
+    typo = refused(line({"prompt": "x", "max_token": 3})).reason
+    assert "did you mean `max_tokens`?" in typo and "`temperature`" not in typo
+    unlike = refused(line({"prompt": "x", "zzzz": 3})).reason
+    assert "did you mean" not in unlike and "`temperature`" in unlike
 
 
 def test_refused_lines_keep_their_custom_id_and_the_rest_parse() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import re
@@ -17,8 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from rich.console import Console
 
+from kvmux.client.cli.status import overview
+from kvmux.client.protocol import DaemonStatus
 from kvmux.kv import failpoints
 
 from .conftest import Kvmuxd, cli_env, kvmux_argv, serve
@@ -233,18 +238,63 @@ def test_status_json_parses_and_the_table_shows_the_facts(kvmuxd: Kvmuxd) -> Non
     facts = ("state", "ready", "sessions", "KV in use", "growths", "growth failures")
     for fact in (*facts, "prefix cache"):
         assert fact in table.stdout
+    # Where the model is and what it holds: a built-in resolves to a folder of the cache.
+    assert "model folder" in table.stdout
+    st = json.loads(kvmuxd.run("status", "--json").stdout)
+    assert st["model_precision"] == "fp32" and st["chat_template"] is True
+    assert Path(st["model_folder"], "genai_config.json").is_file()
+    shown = _rendered(msgspec.json.decode(json.dumps(st), type=DaemonStatus))
+    assert f"{st['model_folder']} (fp32, chat template)" in shown
+    assert "device memory" in shown and "KV budget" not in shown
+    # On a kv.memory_budget, free and total are the budget's: the row says so.
+    budget = msgspec.structs.replace(
+        msgspec.json.decode(json.dumps(st), type=DaemonStatus),
+        memory_source="kv.memory_budget",
+        device_free_bytes=1 << 20,
+        device_total_bytes=1 << 28,
+    )
+    shown = _rendered(budget)
+    assert "KV budget" in shown and "device memory" not in shown
+    assert "1.0 MiB free of 256.0 MiB (kv.memory_budget)" in shown
+
+
+def _rendered(st: DaemonStatus) -> str:
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(overview(st, "ipc://x"))
+    return console.export_text()
 
 
 def test_generate_streams_the_same_completion_as_a_batch_item(
     kvmuxd: Kvmuxd, tmp_path: Path
 ) -> None:
-    proc = kvmuxd.run("generate", "stream this", "--max-tokens", "12", "--temperature", "0")
-    assert proc.returncode == 0, proc.stderr
-    batch = write_jsonl(
-        tmp_path / "one.jsonl", [{"prompt": "stream this", "max_tokens": 12, "temperature": 0}]
+    """tiny has a chat template, so the prompt goes in as a user message of it, as a
+    chat line's does; --raw sends it as a plain prompt line does."""
+    args = ("--max-tokens", "12", "--temperature", "0", "--ignore-eos")
+    chat = kvmuxd.run("generate", "stream this", *args)
+    raw = kvmuxd.run("generate", "stream this", "--raw", *args)
+    system = kvmuxd.run("generate", "stream this", "--system", "be brief", *args)
+    for proc in (chat, raw, system):
+        assert proc.returncode == 0, proc.stderr
+    same = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    user = {"role": "user", "content": "stream this"}
+    lines = [
+        {"custom_id": "chat", "messages": [user], **same},
+        {"custom_id": "raw", "prompt": "stream this", **same},
+        {
+            "custom_id": "system",
+            "messages": [{"role": "system", "content": "be brief"}, user],
+            **same,
+        },
+    ]
+    batch = write_jsonl(tmp_path / "three.jsonl", lines)
+    texts = {r["custom_id"]: r["text"] for r in jsonl(kvmuxd.run("submit", str(batch)).stdout)}
+    assert chat.stdout == texts["chat"] and raw.stdout == texts["raw"]
+    assert system.stdout == texts["system"]
+    assert len({chat.stdout, raw.stdout, system.stdout}) == 3  # three different prompts
+    refused = kvmuxd.run("generate", "x", "--raw", "--system", "be brief")
+    assert refused.returncode == 1 and "--system needs the model's chat template" in (
+        refused.stderr
     )
-    (result,) = jsonl(kvmuxd.run("submit", str(batch)).stdout)
-    assert proc.stdout == result["text"] and proc.stdout
 
     failed = kvmuxd.run("generate", "far too long", "--max-context", "4")
     assert failed.returncode == 2 and "kv_capacity_exceeded" in failed.stderr

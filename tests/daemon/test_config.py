@@ -43,6 +43,9 @@ def test_production_config_lists_every_key() -> None:
 
 def test_production_config_values() -> None:
     cfg = load_config(CONFIGS / "kvmuxd.toml")
+    # The service serves a real model, as the quickstart does: not tiny's random weights.
+    assert cfg.model.name == "smollm2"
+    assert cfg.model.path == ""
     assert cfg.server.endpoint == "ipc:///run/kvmux/kvmuxd.sock"
     assert cfg.model.cache_dir == "/var/lib/kvmux/models"
     assert cfg.log.format == "json"
@@ -293,3 +296,64 @@ def test_check_config_catches_what_the_daemon_would_refuse_at_start(
     assert "holds no genai_config.json" in capsys.readouterr().err
     assert main(["--config", str(good), "--check-config"]) == 0
     assert "is valid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "suggestion"),
+    [
+        ("[kv]\nmax_length = 512\n", "kv.max_length", "kv.max_len"),
+        ("[scheduler]\nmax_new_token = 5\n", "scheduler.max_new_token", "scheduler.max_new_tokens"),
+        ("[modle]\nname = 'tiny'\n", "modle", "model"),
+    ],
+)
+def test_a_misspelled_key_gets_the_nearest_name(text: str, key: str, suggestion: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="kvmuxd.toml")
+    assert info.value.key == key
+    assert f"(did you mean `{suggestion}`?)" in info.value.message
+
+
+def test_an_unknown_key_like_nothing_gets_no_suggestion() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config("[kv]\nzzzzzz = 1\n")
+    assert info.value.message == "unknown key in [kv]"
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ('"256MiB"', 256 * 2**20),
+        ('"1 GiB"', 2**30),
+        ('"16MB"', 16_000_000),
+        ('"1.5KiB"', 1536),
+        ('"4096"', 4096),
+        ("4096", 4096),
+    ],
+)
+def test_sizes_take_units(written: str, expected: int) -> None:
+    cfg = parse_config(f"[kv]\nmemory_budget = {written}\n[http]\nmax_body_bytes = {written}\n")
+    assert cfg.kv.memory_budget == expected
+    assert cfg.http.max_body_bytes == expected
+
+
+@pytest.mark.parametrize("written", ['"256 MiBs"', '"lots"', '"-1MiB"'])
+def test_a_size_that_is_not_one_names_the_units(written: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"[kv]\nmemory_budget = {written}\n")
+    assert info.value.key == "kv.memory_budget"
+    assert "MiB" in info.value.message and "bytes" in info.value.message
+
+
+def test_a_size_with_a_unit_is_still_checked_against_its_range() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config('[http]\nmax_body_bytes = "1kB"\n')
+    assert info.value.key == "http.max_body_bytes"
+    assert ">= 1024" in info.value.message
+
+
+def test_only_sizes_take_units() -> None:
+    """A count is not a size: "16MiB" items is still a type error naming the key."""
+    with pytest.raises(ConfigError) as info:
+        parse_config('[scheduler]\nmax_queued_items = "16MiB"\n')
+    assert info.value.key == "scheduler.max_queued_items"
+    assert "Expected `int`, got `str`" in info.value.message

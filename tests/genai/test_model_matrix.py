@@ -2,7 +2,7 @@
 
 The default run decodes a subset of the matrix (conftest.MATRIX_SUBSET: one
 entry per outcome); CI runs every family and precision with
-``python -m bench.model_matrix --check``, which also keeps README.md's table
+``python -m bench.model_matrix --check``, which also keeps docs/models.md's table
 honest. The refusals kvmux has for features no builder CPU export shows are
 tested here on copies of an export with that feature switched on.
 """

@@ -42,7 +42,7 @@ async def test_bad_json_and_wrong_types_are_400_naming_the_field(raw: Any) -> No
         assert resp.status_code == 400, (field, resp.text)
         error = error_of(resp)
         assert error["type"] == "invalid_request_error" and field in (error["param"] or ""), error
-    resp = await raw.post("/v1/chat/completions", json={"messages": CHAT["messages"]})
+    resp = await raw.post("/v1/chat/completions", json={"messages": CHAT["messages"], "model": 7})
     assert resp.status_code == 400 and error_of(resp)["param"] == "model"
     resp = await raw.post("/v1/batches", json={"endpoint": "/v1/chat/completions"})
     assert resp.status_code == 400 and "input_file_id" in error_of(resp)["message"]
@@ -67,6 +67,7 @@ async def test_unknown_routes_and_wrong_methods_answer_in_openai_shape(raw: Any)
     assert resp.status_code == 404 and error_of(resp)["code"] == "not_found"
     resp = await raw.get("/v1/chat/completions")
     assert resp.status_code == 405 and error_of(resp)["code"] == "method_not_allowed"
+    assert error_of(resp)["type"] == "invalid_request_error"  # the client's mistake
     resp = await raw.delete("/v1/models")
     assert resp.status_code == 405
     resp = await raw.get("/v1/files/file-none/content")

@@ -1,5 +1,6 @@
-"""README's HTTP examples, run as written against a kvmuxd process (its address put in
-place of 127.0.0.1:8000, where the shipped config listens)."""
+"""The manual's HTTP examples (docs/http-api.md, docs/structured-outputs.md), run as
+written against a kvmuxd process (its address put in place of 127.0.0.1:8000, where the
+shipped config listens)."""
 
 from __future__ import annotations
 
@@ -13,38 +14,27 @@ import pytest
 
 from bench.bench_daemon import DaemonProcess
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = (ROOT / "docs" / "http-api.md", ROOT / "docs" / "structured-outputs.md")
 WRITTEN = "http://127.0.0.1:8000"
 SHIPPED_MODEL = '"smollm2"'
 
 
 def _blocks(language: str) -> list[str]:
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("## OpenAI's HTTP API") : text.index("## Install choices")]
-    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+    text = "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
 
 def _as_the_test_daemon(code: str, daemon: DaemonProcess) -> str:
     """The example aimed at the test daemon: its address, and its model (the built-in
-    tiny, named "tiny") where the README names the shipped config's smollm2."""
+    tiny, named "tiny") where the manual names the shipped config's smollm2."""
     return code.replace(WRITTEN, daemon.http_url).replace(SHIPPED_MODEL, '"tiny"')
 
 
-def test_the_readme_examples_point_at_the_shipped_configs_address() -> None:
-    assert all(WRITTEN in block for block in _blocks("python") + _blocks("sh"))
-    shipped = (README.parent / "configs" / "local.toml").read_text(encoding="utf-8")
-    assert 'listen = "127.0.0.1:8000"' in shipped
-    assert f"name = {SHIPPED_MODEL}" in shipped
-    chat_examples = [b for b in _blocks("python") + _blocks("sh") if "chat.completions" in b]
-    assert chat_examples and all(SHIPPED_MODEL in b for b in chat_examples)
-
-
-@pytest.mark.parametrize("index", range(3))
-def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> None:
-    code = _as_the_test_daemon(_blocks("python")[index], daemon)
+def _runs_and_prints(code: str, daemon: DaemonProcess) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=README.parent,
+        [sys.executable, "-c", _as_the_test_daemon(code, daemon)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -53,7 +43,21 @@ def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> No
     assert done.stdout.strip()
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="the README's shell examples use curl")
+def test_the_readme_examples_point_at_the_shipped_configs_address() -> None:
+    assert all(WRITTEN in block for block in _blocks("python") + _blocks("sh"))
+    shipped = (ROOT / "configs" / "local.toml").read_text(encoding="utf-8")
+    assert 'listen = "127.0.0.1:8000"' in shipped
+    assert f"name = {SHIPPED_MODEL}" in shipped
+    chat_examples = [b for b in _blocks("python") + _blocks("sh") if "chat.completions" in b]
+    assert chat_examples and all(SHIPPED_MODEL in b for b in chat_examples)
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_the_readme_python_examples_run(daemon: DaemonProcess, index: int) -> None:
+    _runs_and_prints(_blocks("python")[index], daemon)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the manual's shell examples use curl")
 def test_the_readme_curl_examples_run(daemon: DaemonProcess) -> None:
     script = "\n".join(_blocks("sh"))
     done = subprocess.run(
@@ -66,3 +70,10 @@ def test_the_readme_curl_examples_run(daemon: DaemonProcess) -> None:
     assert '"chat.completion"' in done.stdout and "data: [DONE]" in done.stdout
     assert '{"status":"ready"}' in done.stdout
     assert re.search(r'"content":"(red|green|blue)"', done.stdout), done.stdout
+
+
+def test_the_front_pages_example_runs(daemon: DaemonProcess) -> None:
+    front = (ROOT / "README.md").read_text(encoding="utf-8")
+    (code,) = re.findall(r"```python\n(.*?)```", front, re.S)
+    assert WRITTEN in code and SHIPPED_MODEL in code
+    _runs_and_prints(code, daemon)

@@ -34,3 +34,31 @@ def test_build_rejects_unknown_size(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["build", "medium", str(tmp_path)])
     assert exc.value.code == 2
+
+
+def test_info_takes_a_builtin_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVMUX_MODEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # no folder named tiny here
+    assert main(["info", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert f"folder:            {tmp_path / 'cache'}" in out
+    assert "precision:         fp32" in out
+
+
+def test_version_and_every_command_has_a_description_and_examples(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("kvmux-model ")
+    for command in ("build", "import-gguf", "info"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "examples:" in text and f"kvmux-model {command} " in text.split("examples:")[1]
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    assert "(default: float32)" in capsys.readouterr().out

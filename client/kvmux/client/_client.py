@@ -6,7 +6,13 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+)
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -17,7 +23,7 @@ import zmq.asyncio
 
 from . import protocol as p
 from .curve import CurveKeys, curve_from_env
-from .endpoint import client_default_endpoint, ipc_path
+from .endpoint import client_default_endpoint, http_server_at, ipc_path
 from .errors import BadRequest, DaemonUnreachable, KvmuxError, Overloaded, error_from_info
 
 # A daemon silent for this many heartbeat intervals is taken as gone.
@@ -237,14 +243,32 @@ class Client:
         sock.connect(self.endpoint)
         self._sock = sock
         self._tasks.append(asyncio.create_task(self._receive_loop()))
+        hello = asyncio.ensure_future(
+            self._request(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name))
+        )
+        # kvmuxd's HTTP port given for its ZeroMQ endpoint would only time out: asked
+        # once a daemon is slow to answer (none is probed that answers at once).
+        probe = asyncio.ensure_future(_http_server_later(self.endpoint, 0.25))
         try:
-            reply = await self._request(p.Hello(id=0, version=p.PROTOCOL_VERSION, client=self.name))
+            done, _ = await asyncio.wait({hello, probe}, return_when=asyncio.FIRST_COMPLETED)
+            if hello not in done and probe.result():
+                hello.cancel()
+                await self.close()
+                raise self._unreachable(
+                    "an HTTP server answers there: kvmuxd's OpenAI API (http.listen) takes "
+                    "HTTP clients such as the openai SDK or curl; the kvmux CLI and client "
+                    "speak ZeroMQ to server.endpoint (by default an ipc socket: leave "
+                    "--endpoint out)"
+                )
+            reply = await hello
         except TimeoutError:
             await self.close()
             raise self._unreachable(f"no answer within {self.timeout:g} s") from None
         except BaseException:
             await self.close()
             raise
+        finally:
+            probe.cancel()
         assert isinstance(reply, p.Welcome)
         self.welcome = reply
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(reply.heartbeat_interval)))
@@ -729,3 +753,8 @@ class Feeder:
                 if on_wait is not None:
                     on_wait(0.0)
             return total
+
+
+async def _http_server_later(endpoint: str, delay: float) -> bool:
+    await asyncio.sleep(delay)
+    return await http_server_at(endpoint)

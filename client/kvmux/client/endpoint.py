@@ -112,3 +112,39 @@ async def socket_revives(path: Path, within: float) -> bool:
         if _probe(path) in ("listening", "unknown"):
             return True
     return False
+
+
+def tcp_address(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) of a ``tcp://`` endpoint, None for other transports or a wildcard."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if not port.isdigit() or not host or "*" in host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+async def http_server_at(endpoint: str, timeout: float = 1.0) -> bool:
+    """Whether an HTTP server (kvmuxd's own OpenAI API, say) answers at a ``tcp://``
+    endpoint, where the client wants ZeroMQ: a ZeroMQ peer greets first, an HTTP
+    server waits for a request and answers ``HTTP/...``."""
+    address = tcp_address(endpoint)
+    if address is None:
+        return False
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(*address)
+            try:
+                try:
+                    async with asyncio.timeout(min(0.2, timeout / 2)):
+                        await reader.read(1)
+                    return False  # it spoke first (ZeroMQ's greeting, 0xFF) or hung up
+                except TimeoutError:
+                    pass  # silent, as HTTP servers are: ask it as one
+                writer.write(b"GET /health HTTP/1.0\r\nHost: kvmux\r\n\r\n")
+                await writer.drain()
+                return (await reader.read(5)) == b"HTTP/"
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return False

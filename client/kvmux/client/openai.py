@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 
 from . import protocol as p
+from .names import did_you_mean
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
@@ -184,7 +185,8 @@ def body_items(
         elif key == "messages":
             raise RequestError(f"a {COMPLETIONS_URL} body takes `prompt`, not `messages`", key)
         else:
-            raise RequestError(f"unknown field `{prefix}{key}` for {url}", key)
+            hint = did_you_mean(key, accepted, prefix=prefix)
+            raise RequestError(f"unknown field `{prefix}{key}` for {url}{hint}", key)
     if chat:
         if "max_tokens" in fields and "max_completion_tokens" in fields:
             raise RequestError(
@@ -518,6 +520,8 @@ _ERROR_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

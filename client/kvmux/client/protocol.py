@@ -22,6 +22,9 @@ from msgspec import Meta
 
 PROTOCOL_VERSION = 4
 
+DEFAULT_MAX_NEW_TOKENS = 128
+"""New tokens an item decodes when it says nothing (``max_new_tokens`` None)."""
+
 # Every message the daemon sends is at most this many bytes: a client that
 # never reads pins a known number of bytes, whatever it asked for. A result
 # larger than that travels in parts (:class:`ResultPart`, :class:`ItemFinishedPart`)
@@ -486,6 +489,13 @@ class DaemonStatus(msgspec.Struct, frozen=True):
     # beside kv_bytes_in_use (what sessions hold), and given back before any
     # session is refused memory.
     prefix_cache: PrefixCacheStats | None = None
+    # Where the served model is on the daemon's disk (a built-in resolved to its
+    # folder in the model cache), its weights' precision as the graph says, and
+    # whether it has a chat template (``kvmux generate`` applies it when it does).
+    # Empty while the model loads.
+    model_folder: str = ""
+    model_precision: str = ""
+    chat_template: bool = False
 
 
 class JobInfo(msgspec.Struct, frozen=True):

@@ -11,6 +11,8 @@ authorized keys.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import signal
 import sys
 from pathlib import Path
@@ -73,6 +75,24 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+DIE_WITH_PARENT_ENV = "KVMUX_DIE_WITH_PARENT"
+"""Set to 1, the daemon gets SIGTERM (and drains) when the process that started it
+dies, however it dies: test suites and supervisors other than systemd set it, so a
+killed parent leaves no daemon behind (the kernel's PR_SET_PDEATHSIG)."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if os.environ.get(DIE_WITH_PARENT_ENV) != "1":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # the parent died before the call: nobody left to signal it
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvmuxd",
@@ -129,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     daemon = Daemon(config)
     try:
+        _die_with_parent()
         anyio.run(_run, daemon)
     except BaseException as group:  # mapped to an exit status below
         err = _leaf(group)

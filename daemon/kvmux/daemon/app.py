@@ -41,6 +41,7 @@ from .http.keys import ApiKeys
 from .journal import Journal, default_journal_path
 from .metrics import Metrics
 from .model import resolve_model
+from .model.smollm2 import SMOLLM2_HF_ID
 from .notify import Notifier
 from .scheduler import Scheduler, prefix_stats
 from .server import Server, client_bound_bytes
@@ -112,6 +113,14 @@ def startup_problems(config: Config) -> list[ConfigError]:
             )
         )
     return problems
+
+
+def served_names(model: ModelConfig) -> list[str]:
+    """The names HTTP requests may give the model when http.served_model_names is
+    empty: its own, and for the built-in SmolLM2 its Hugging Face id too."""
+    if model.path:
+        return [model.path]
+    return [model.name, *([SMOLLM2_HF_ID] if model.name == "smollm2" else [])]
 
 
 class Daemon:
@@ -230,7 +239,7 @@ class Daemon:
                 self.service.ready(scheduler)
                 tg.start_soon(self._housekeeping)
                 if self.http is not None:
-                    self.http.max_model_len = self.engine.spec.context_length
+                    self.http.loaded(self.engine.spec, self.config.scheduler.max_new_tokens)
                     await tg.start(self.http.batches.run)
                 if self.config.metrics.listen:
                     host, port = self.metrics.serve(self.config.metrics.listen)
@@ -246,6 +255,9 @@ class Daemon:
                     "daemon_ready",
                     endpoint=self.endpoint,
                     model=self.model_name,
+                    # Where a built-in resolved to, and what its weights are.
+                    folder=str(self.engine.spec.folder),
+                    precision=self.engine.spec.features.precision,
                     providers=list(self.engine.ort.providers),
                     pid=os.getpid(),
                     min_bucket=resolve_min_bucket(self.config.kv.min_bucket),
@@ -299,7 +311,7 @@ class Daemon:
             folder = Path(self._files_tmp.name)
         files = FileStore(folder, self.journal, cfg)
         files.restore()
-        names = list(cfg.served_model_names) or [self.model_name]
+        names = list(cfg.served_model_names) or served_names(self.config.model)
         batches = Batches(self.service, files, self.journal, cfg, self.config.scheduler, names[0])
         front = HttpFront(
             cfg,
@@ -309,6 +321,7 @@ class Daemon:
             names=names,
             state=lambda: self.state,
             grace=self.config.shutdown.grace,
+            metrics=self.metrics,
         )
         front.bind()
         return front
@@ -455,6 +468,9 @@ class Daemon:
             client_bound_bytes=client_bound_bytes(cfg.server),
             http_url=self.http.url if self.http is not None else "",
             prefix_cache=prefix_stats(engine.prefix) if engine is not None else None,
+            model_folder=str(engine.spec.folder) if engine is not None else "",
+            model_precision=engine.spec.features.precision if engine is not None else "",
+            chat_template=engine is not None and engine.chat_template is not None,
         )
 
 

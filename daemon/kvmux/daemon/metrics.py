@@ -1,4 +1,5 @@
-"""Prometheus metrics on an optional loopback HTTP port (``metrics.listen``).
+"""Prometheus metrics: at /metrics of the HTTP API (``http.listen``), and on an optional
+loopback port of their own (``metrics.listen``).
 
 Counters and gauges are read from the daemon's own tallies when scraped, so
 the decode loop pays nothing for them; only the latency histograms are
@@ -10,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -18,6 +26,8 @@ from .config import split_listen
 
 if TYPE_CHECKING:
     from .app import Daemon
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -68,6 +78,10 @@ class Metrics:
         self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         bound: tuple[str, int] = self._server.server_address[:2]
         return bound
+
+    def exposition(self) -> bytes:
+        """Every metric in Prometheus' text format (/metrics on the HTTP API's port)."""
+        return generate_latest(self.registry)
 
     def close(self) -> None:
         if self._server is not None:

@@ -115,7 +115,7 @@ def open_fds() -> int:
 
 
 class EndpointInUse(RuntimeError):
-    """Another daemon already answers on this ipc socket."""
+    """Another process already answers on this ipc socket or HTTP port."""
 
 
 def prepare_ipc(path: Path) -> None:

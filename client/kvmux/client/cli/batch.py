@@ -48,6 +48,7 @@ import msgspec
 
 from .. import jsonin
 from .. import protocol as p
+from ..names import did_you_mean, nearest
 from ..openai import (
     NATIVE_FIELDS,
     RequestError,
@@ -223,6 +224,13 @@ def _parse_object(obj: dict[str, Any], line: int) -> list[p.Item]:
 def _native(obj: dict[str, Any], line: int) -> list[p.Item]:
     unknown = sorted(obj.keys() - NATIVE_FIELDS)
     if unknown:
+        # A typo gets its correction; only a field nothing resembles gets the whole list.
+        guesses = {name: nearest(name, NATIVE_FIELDS) for name in unknown}
+        if all(guesses.values()):
+            fixes = ", ".join(
+                f"`{name}`: did you mean `{guess}`?" for name, guess in guesses.items()
+            )
+            raise LineError(line, f"unknown field {fixes}")
         raise LineError(
             line,
             f"unknown field {names_of(unknown)}; a kvmux line takes "
@@ -235,10 +243,11 @@ def _native(obj: dict[str, Any], line: int) -> list[p.Item]:
 def _openai(obj: dict[str, Any], line: int) -> list[p.Item]:
     unknown = sorted(obj.keys() - _OPENAI_LINE_FIELDS)
     if unknown:
+        hints = "".join(did_you_mean(name, _OPENAI_LINE_FIELDS) for name in unknown)
         raise LineError(
             line,
-            f"unknown field {names_of(unknown)} in an OpenAI batch line (custom_id, method, "
-            "url, body)",
+            f"unknown field {names_of(unknown)}{hints} in an OpenAI batch line (custom_id, "
+            "method, url, body)",
         )
     method = obj.get("method", "POST")
     if method != "POST":

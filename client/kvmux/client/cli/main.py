@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from .. import __version__
 from ..endpoint import ENDPOINT_ENV
 from ..errors import KvmuxError
+from ..protocol import DEFAULT_MAX_NEW_TOKENS
 from . import generate, interrupt, jobs, logs, status
 from .connect import COULD_NOT_RUN, INTERRUPTED, CliError
 
@@ -193,13 +194,31 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         generate.generate,
         "Stream one completion of PROMPT to stdout as it decodes.",
-        'Sampling options default to the model\'s own (genai_config "search").\n'
+        "PROMPT goes in as a user message of the model's chat template when it has one\n"
+        "(as `ollama run` does; --system adds a system message before it), else as plain\n"
+        "text; --raw sends it as plain text always. A run that generates no token says\n"
+        "why on stderr. Sampling options default to the model's own (genai_config\n"
+        '"search"). On a terminal, control bytes of the output are shown escaped.\n'
         "Exit status: 0 ok, 2 the item failed (the error is on stderr), 1 no daemon.",
-        '  kvmux generate "Once upon a time" --max-tokens 40\n'
+        '  kvmux generate "What is the capital of France?"\n'
+        '  kvmux generate "Once upon a time" --raw --max-tokens 40\n'
+        '  kvmux generate "Name a color." --system "Answer in one word."\n'
         "  echo 'Tell me a story' | kvmux generate - --temperature 0.8 --seed 7",
     )
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text; - reads stdin")
-    p.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send PROMPT as plain text, without the model's chat template",
+    )
+    p.add_argument("--system", metavar="TEXT", help="a system message before PROMPT")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help=f"most tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS}; the daemon's "
+        "scheduler.max_new_tokens bounds it)",
+    )
     p.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
     p.add_argument("--top-p", type=float, metavar="P")
     p.add_argument("--top-k", type=int, metavar="K")

@@ -53,6 +53,7 @@ def overview(st: p.DaemonStatus, endpoint: str) -> Table:
     # Values are Text, not markup: a model path may hold "[".
     rows: list[tuple[str, str]] = [
         ("model", f"{st.model} ({st.provider})"),
+        ("model folder", _folder(st)),
         ("version", f"{st.version}, pid {st.pid}, up {_duration(st.uptime_seconds)}"),
         ("clients", str(st.clients)),
         ("HTTP", f"{st.http_url}/v1 (OpenAI's API)" if st.http_url else "off (http.listen)"),
@@ -73,7 +74,11 @@ def overview(st: p.DaemonStatus, endpoint: str) -> Table:
             f"{'none' if st.kv_budget_bytes is None else _bytes(st.kv_budget_bytes)})",
         ),
         ("KV per token", f"{_bytes(st.kv_bytes_per_token)}, min bucket {st.min_bucket} tokens"),
-        ("device memory", _device(st)),
+        # On a budget, free and total are the budget's (as growth errors report them).
+        (
+            "KV budget" if st.memory_source == "kv.memory_budget" else "device memory",
+            _device(st),
+        ),
         (
             "growths",
             f"{st.growth.growths} ({_bytes(st.growth.bytes_copied)} copied), lock wait "
@@ -122,6 +127,13 @@ def _prefix(st: p.DaemonStatus) -> str:
         f"({pc.scope} scope, blocks of {pc.block}); {pc.hit_tokens} of {pc.prompt_tokens} "
         f"prompt tokens copied ({rate}), {pc.waits} waits, {pc.evictions} evictions"
     )
+
+
+def _folder(st: p.DaemonStatus) -> str:
+    if not st.model_folder:
+        return "not loaded yet"
+    template = "chat template" if st.chat_template else "no chat template"
+    return f"{st.model_folder} ({st.model_precision}, {template})"
 
 
 def _device(st: p.DaemonStatus) -> str:

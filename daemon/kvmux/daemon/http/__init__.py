@@ -11,6 +11,7 @@ loop (see :mod:`._serve`). Routes only translate (:mod:`._completions`,
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 from collections.abc import Callable
@@ -31,6 +32,9 @@ from ..access import ANONYMOUS, Caller
 from ..batches import Batches, FileStore
 from ..budget import Bucket, forget_full
 from ..config import HttpConfig, split_listen
+from ..metrics import Metrics
+from ..model import ModelSpec
+from ..server import EndpointInUse
 from ..service import Service
 from . import _completions as completions
 from . import _routes as routes
@@ -57,6 +61,7 @@ class HttpFront:
         names: list[str],
         state: Callable[[], str],
         grace: float,
+        metrics: Metrics | None = None,
     ) -> None:
         self.cfg = cfg
         self.service = service
@@ -64,9 +69,14 @@ class HttpFront:
         self.files = files
         self.batches = batches
         self.names = names
-        self.max_model_len: int | None = None  # known once the model is loaded
+        # Known once the model is loaded (see loaded()).
+        self.max_model_len: int | None = None
+        self.model_folder = ""
+        self.model_precision = ""
+        self.max_new_tokens: int | None = None
         self.state = state
         self.grace = grace
+        self.metrics = metrics
         self.keys = ApiKeys(cfg.api_keys)
         self.keys.load()
         self.created = int(time.time())
@@ -105,7 +115,18 @@ class HttpFront:
         forget_full(self._buckets)
 
     # -- the model ----------------------------------------------------------------------
-    def served_model(self, name: str) -> str:
+    def loaded(self, spec: ModelSpec, max_new_tokens: int) -> None:
+        """What the loaded model and the scheduler tell requests and /v1/models."""
+        self.max_model_len = spec.context_length
+        self.model_folder = str(spec.folder)
+        self.model_precision = spec.features.precision
+        self.max_new_tokens = max_new_tokens
+
+    def served_model(self, name: str | None) -> str:
+        """The name a request gave the model; none at all is the served model, as vLLM
+        serves its one model to a request without ``model``."""
+        if name is None:
+            return self.names[0]
         if name not in self.names:
             error = NotFound(
                 f"The model `{name}` does not exist: this kvmuxd serves "
@@ -122,9 +143,12 @@ class HttpFront:
             "object": "model",
             "created": self.created,
             "owned_by": "kvmux",
-            "root": name,
+            # vLLM's root is the model's path; so is kvmux's (a built-in's folder in
+            # the model cache), with the precision its graph's weights have.
+            "root": self.model_folder or name,
             "parent": None,
             "max_model_len": self.max_model_len,
+            "precision": self.model_precision or None,
         }
 
     # -- serving ------------------------------------------------------------------------
@@ -132,7 +156,17 @@ class HttpFront:
         """Bind ``http.listen`` now (before the model loads: a port in use fails the
         start, and /health answers 503 meanwhile); the URL it serves."""
         host, port = split_listen(self.cfg.listen)
-        self._sock = bind(host, port)
+        try:
+            self._sock = bind(host, port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            # The same words as a socket in use: the address, and the key that sets it.
+            raise EndpointInUse(
+                f"http.listen {self.cfg.listen}: address already in use (another process "
+                f"listens on port {port}); stop it, or set http.listen (kvmuxd --http "
+                "HOST:PORT) to a free port"
+            ) from None
         bound = self._sock.getsockname()
         scheme = "https" if self.cfg.tls_certfile else "http"
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
@@ -164,6 +198,8 @@ def build_app(front: HttpFront) -> ASGIApp:
         ("/v1/batches", routes.create_batch, ["POST"]),
         ("/v1/batches", routes.list_batches, ["GET"]),
         ("/v1/batches/{batch_id}", routes.get_batch, ["GET"]),
+        # Where vLLM serves them: scrapers reach one port, with its API keys.
+        ("/metrics", routes.metrics, ["GET"]),
     ]
     # What only releases things is never refused for want of budget (as on the socket).
     releasing: list[tuple[str, Any, list[str]]] = [

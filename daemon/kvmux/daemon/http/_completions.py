@@ -30,6 +30,7 @@ from kvmux.client.errors import error_from_info
 from kvmux.client.openai import (
     CHAT_URL,
     COMPLETIONS_URL,
+    RequestError,
     body_items,
     chat_chunk,
     completion_body,
@@ -52,7 +53,7 @@ class _StreamOptions(msgspec.Struct):
 class _Envelope(msgspec.Struct):
     """What the front reads of a completion request besides its items."""
 
-    model: str
+    model: str | None = None
     stream: bool = False
     stream_options: _StreamOptions | None = None
 
@@ -113,12 +114,25 @@ async def completions(request: Request) -> Response:
     return await _complete(request, COMPLETIONS_URL)
 
 
+def _within_limit(limit: int | None, items: list[p.Item], body: dict[str, Any]) -> None:
+    """scheduler.max_new_tokens, refused here under the name the request used (the
+    scheduler's own refusal names the item's field, max_new_tokens)."""
+    asked = max((i.max_new_tokens or 0 for i in items), default=0)
+    if limit is not None and asked > limit:
+        field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        raise RequestError(
+            f"`{field}` {asked} is over this daemon's limit {limit} (scheduler.max_new_tokens)",
+            field,
+        )
+
+
 async def _complete(request: Request, url: str) -> Response:
     front = front_of(request)
     body = await read_json(request)
     envelope = msgspec.convert(body, _Envelope)
     model = front.served_model(envelope.model)
     items = body_items(url, body)
+    _within_limit(front.max_new_tokens, items, body)
     collector = Collector()
     job = await front.service.submit(
         collector, items, caller=caller_of(request), transient=True, stream=envelope.stream

