@@ -88,7 +88,7 @@ def test_chat_content_parts_flatten_and_other_parts_are_refused() -> None:
         (chat([{"type": "image_url", "image_url": {"url": "x"}}]), "image_url part"),
         (chat("x", max_tokens=1, max_completion_tokens=1), "not both"),
         (chat("x", top_logprobs=2), "needs `body.logprobs`: true"),
-        (chat("x", tools=[{"type": "function"}]), "no tool calling"),
+        (chat("x", tools=[{"type": "function"}]), "function must be an object"),
         (chat("x", response_format={"type": "xml"}), "text, json_object or json_schema"),
     ]:
         (err,) = read_batch([raw]).errors

@@ -28,8 +28,8 @@ def batch_line(cid: str, body: dict[str, Any], url: str = CHAT) -> bytes:
 
 
 def requests_file(path: Path, n: int, max_tokens: int = 12, bad: tuple[int, ...] = ()) -> Path:
-    """``n`` chat requests, greedy and seeded in turn; the lines in ``bad`` ask for tools
-    (valid lines kvmux refuses: that line's error, not the file's)."""
+    """``n`` chat requests, greedy and seeded in turn; the lines in ``bad`` ask for the legacy
+    ``functions`` (valid lines kvmux refuses: that line's error, not the file's)."""
     lines = []
     for i in range(n):
         body: dict[str, Any] = {
@@ -40,7 +40,7 @@ def requests_file(path: Path, n: int, max_tokens: int = 12, bad: tuple[int, ...]
         if i % 2:
             body.update(temperature=0.8, seed=100 + i)
         if i in bad:
-            body["tools"] = [{"type": "function", "function": {"name": "f"}}]
+            body["functions"] = [{"name": "f"}]
         lines.append(batch_line(f"req-{i}", body))
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path

@@ -179,12 +179,12 @@ async def test_a_prompt_over_its_maximum_is_context_length_exceeded(sdk: Any) ->
 
 
 async def test_what_kvmux_cannot_do_is_refused_naming_the_parameter(sdk: Any) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    functions = [{"name": "f", "parameters": {}}]
     with pytest.raises(openai.BadRequestError) as info:
         await sdk.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], functions=functions
         )
-    assert info.value.param == "tools" and "tool calling" in info.value.message
+    assert info.value.param == "functions" and "`tools`" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         await sdk.completions.create(model=MODEL, prompt="x", max_tokens=-3)
     assert info.value.param == "max_tokens"

@@ -14,7 +14,12 @@ Structured outputs come in every shape people send them: OpenAI's
 ``guided_choice``, ``guided_grammar``; each becomes the item's one
 ``structured_outputs`` (:func:`structured_outputs`).
 
-What this engine cannot do is refused with the reason: ``tools``/``functions``,
+Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, past calls in
+``messages``) is :mod:`kvmux.client.tools`'s: a grammar in ``structured_outputs``
+and the item's ``tool_mode``; a chat result with a ``tool_mode`` has its calls
+read out of its text into ``message.tool_calls``.
+
+What this engine cannot do is refused with the reason: the legacy ``functions``,
 a non-empty ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > n. A refusal is
 a :class:`RequestError` naming the parameter.
 
@@ -38,6 +43,7 @@ from typing import Any
 import msgspec
 
 from . import protocol as p
+from . import tools as tc
 from .names import did_you_mean
 
 COMPLETIONS_URL = "/v1/completions"
@@ -93,20 +99,11 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "echo": (False,),
     "suffix": ("",),
     "logit_bias": ({},),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none",),
-    "function_call": ("none",),
-    "parallel_tool_calls": (False, True),
 }
 _WHY_NOT = {
     "echo": "the prompt is not returned",
     "suffix": "no insertion mode",
     "logit_bias": "no per-token bias",
-    "tools": "no tool calling",
-    "functions": "no tool calling",
-    "tool_choice": "no tool calling",
-    "function_call": "no tool calling",
 }
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 # Fields that are whole numbers; JSON writers sometimes emit them as 10.0.
@@ -166,7 +163,10 @@ def body_items(
     chat = url == CHAT_URL
     accepted = _CHAT_FIELDS if chat else _COMPLETIONS_FIELDS
     fields: dict[str, Any] = {}
+    tools = _tools(body, prefix) if chat else None
     for key, value in body.items():
+        if chat and key in tc.FIELDS:
+            continue
         if key in accepted:
             fields[key] = value
         elif key in _IGNORED or value is None:
@@ -198,6 +198,7 @@ def body_items(
         _chat_logprobs(fields, prefix)
         if "messages" not in fields:
             raise RequestError(f"a {CHAT_URL} body needs `messages`", "messages")
+        _with_tools(fields, tools, prefix)
     elif "prompt" not in fields:
         raise RequestError(f"a {COMPLETIONS_URL} body needs `prompt`", "prompt")
     best_of = fields.pop("best_of", None)
@@ -213,6 +214,41 @@ def body_items(
         fields["custom_id"] = custom_id
     default = None if chat else DEFAULT_MAX_TOKENS
     return to_items(fields, prefix=prefix, default_max_tokens=default, line=line)
+
+
+def _tools(body: dict[str, Any], prefix: str) -> tc.Tools | None:
+    try:
+        return tc.parse(body, prefix)
+    except tc.ToolError as exc:
+        raise RequestError(exc.message, exc.param) from None
+
+
+def _with_tools(fields: dict[str, Any], tools: tc.Tools | None, prefix: str) -> None:
+    """A chat request's tools as its messages (the generic format), its grammar and its
+    ``tool_mode``."""
+    try:
+        fields["messages"] = tc.plain_messages(fields["messages"], tools, prefix)
+    except tc.ToolError as exc:
+        raise RequestError(exc.message, exc.param) from None
+    if tools is None or tools.mode is None:
+        return
+    for key in ("response_format", "structured_outputs", *_GUIDED):
+        value = fields.get(key)
+        if value is None or (key == "response_format" and _is_text(value)):
+            continue
+        which = "a named tool" if tools.mode == "named" else f"tool_choice {tools.mode!r}"
+        raise RequestError(
+            f"`{prefix}{key}` cannot be combined with {which}: the calls are the output's "
+            f"constraint (give `{prefix}tool_choice`: none to constrain the text instead)",
+            key,
+        )
+    fields.pop("response_format", None)
+    fields["structured_outputs"] = {"grammar": tools.grammar()}
+    fields["tool_mode"] = tools.mode
+
+
+def _is_text(fmt: Any) -> bool:
+    return isinstance(fmt, dict) and fmt.get("type") == "text"
 
 
 def _chat_logprobs(fields: dict[str, Any], prefix: str) -> None:
@@ -420,7 +456,7 @@ def _messages(messages: Any, name: str) -> list[dict[str, Any]]:
         unknown = sorted(msg.keys() - {"role", "content", "name"})
         if unknown:
             raise RequestError(
-                f"{where} has {names_of(unknown)}, which kvmux does not support (no tools)",
+                f"{where} has {names_of(unknown)}, which a chat message does not take",
                 "messages",
             )
         role = msg.get("role")
@@ -592,8 +628,9 @@ def usage(results: list[p.ItemResult], chat: bool) -> dict[str, Any]:
 
 def finish_reason(reason: str | None) -> str | None:
     # The engine says "stop" (end of sequence, a stop string or token) and
-    # "length" (max_tokens or the context): OpenAI's words already.
-    if reason is None or reason in ("stop", "length"):
+    # "length" (max_tokens or the context): OpenAI's words already, as is the
+    # "tool_calls" of tool_finish.
+    if reason is None or reason in ("stop", "length", "tool_calls"):
         return reason
     return "stop"
 
@@ -628,12 +665,35 @@ def completion_logprobs(steps: list[p.TokenLogprob], at: int = 0) -> dict[str, A
     }
 
 
+def tool_finish(reason: str | None, mode: p.ToolMode | None, called: bool) -> str | None:
+    """OpenAI's finish_reason of a tool-calling choice: ``tool_calls`` when calls were
+    made under auto or required, ``stop`` under a named function; ``length`` wins."""
+    reason = finish_reason(reason)
+    if called and reason == "stop" and mode in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+def chat_message(result: p.ItemResult) -> dict[str, Any]:
+    """The assistant message of a chat result: its text, or its calls and what is left."""
+    if result.tool_mode is None:
+        return {"role": "assistant", "content": result.text}
+    content, calls = tc.split(result.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
 def choice(result: p.ItemResult, chat: bool) -> dict[str, Any]:
     reason = finish_reason(result.finish_reason)
     if chat:
+        message = chat_message(result)
+        if result.tool_mode is not None:
+            reason = tool_finish(result.finish_reason, result.tool_mode, "tool_calls" in message)
         return {
             "index": result.choice,
-            "message": {"role": "assistant", "content": result.text},
+            "message": message,
             "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
             "finish_reason": reason,
         }
@@ -675,14 +735,17 @@ def chat_chunk(
     role: str | None = None,
     finish: str | None = None,
     logprobs: list[p.TokenLogprob] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk`` of a streamed chat completion: choice ``index``'s
-    new text (its first chunk names the role), or how it finished."""
+    new text or tool-call delta (its first chunk names the role), or how it finished."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     return {
         "id": id,
         "object": "chat.completion.chunk",

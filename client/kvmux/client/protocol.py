@@ -77,6 +77,11 @@ class StructuredOutputs(
     disable_any_whitespace: bool | None = None
 
 
+#: How an item's tool calls were asked for (OpenAI's ``tool_choice``): ``auto`` and
+#: ``required`` finish with ``tool_calls``, a ``named`` function with ``stop``.
+ToolMode = Literal["auto", "required", "named"]
+
+
 class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One prompt to decode: text, token ids or chat messages (exactly one), with its parameters.
 
@@ -93,7 +98,9 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     ``logprobs`` asks for the chosen token's log-probability and that many of
     the most likely alternatives at every step (0: the chosen token's only);
     ``structured_outputs`` constrains the output to a schema, regex, choice or
-    grammar (vLLM's field).
+    grammar (vLLM's field). ``tool_mode`` marks an item asked for OpenAI tool
+    calls (its grammar is in ``structured_outputs``; see ``kvmux.client.tools``):
+    echoed in the result, whose text is then read for calls.
     """
 
     custom_id: Annotated[str, Meta(max_length=512)] = ""
@@ -125,6 +132,7 @@ class Item(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     choices: Annotated[int, Meta(ge=1, le=2**16)] = 1
     n: Annotated[int, Meta(ge=1, le=2**16)] = 1
     structured_outputs: StructuredOutputs | None = None
+    tool_mode: ToolMode | None = None
 
 
 class Rejected(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -333,6 +341,7 @@ class ItemResult(msgspec.Struct, frozen=True, omit_defaults=True):
     n: int = 1
     chat: bool = False
     logprobs: list[TokenLogprob] | None = None
+    tool_mode: ToolMode | None = None
 
 
 class _Event(msgspec.Struct, frozen=True, tag_field="type"):

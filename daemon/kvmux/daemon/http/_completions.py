@@ -37,8 +37,10 @@ from kvmux.client.openai import (
     completion_chunk,
     completion_id,
     info_body,
+    tool_finish,
     usage_chunk,
 )
+from kvmux.client.tools import CallStream
 
 from ..service import Service
 from ._common import caller_of, front_of, json_response, read_json
@@ -199,6 +201,8 @@ async def _chunks(
     """The stream's Server-Sent Events: every turn's events in one write."""
     cid, created = completion_id(chat), int(time.time())
     choice = [item.choice for item in items]  # the job's item index -> OpenAI's choice
+    # Choices asked for tool calls: their text is read for calls as it comes.
+    calls = {k: CallStream() for k, item in enumerate(items) if chat and item.tool_mode}
 
     def piece(
         index: int,
@@ -207,6 +211,7 @@ async def _chunks(
         role: str | None = None,
         finish: str | None = None,
         logprobs: list[p.TokenLogprob] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> bytes:
         if chat:
             obj = chat_chunk(
@@ -218,6 +223,7 @@ async def _chunks(
                 role=role,
                 finish=finish,
                 logprobs=logprobs,
+                tool_calls=tool_calls,
             )
         else:
             obj = completion_chunk(
@@ -234,12 +240,27 @@ async def _chunks(
                 match event:
                     case p.ItemStarted(index=index) if chat:
                         out += piece(choice[index], "", role="assistant")
+                    case p.TokenDelta(index=index, text=text) if text and index in calls:
+                        for delta in calls[index].feed(text):
+                            out += piece(
+                                choice[index],
+                                delta.get("content"),
+                                tool_calls=delta.get("tool_calls"),
+                            )
                     case p.TokenDelta(index=index, text=text) if text:
                         out += piece(choice[index], text)
                     case p.ItemFinished(result=result) if result.status == "ok":
-                        out += piece(
-                            result.choice, finish=result.finish_reason, logprobs=result.logprobs
-                        )
+                        finish = result.finish_reason
+                        stream = calls.get(result.index)
+                        if stream is not None:
+                            for delta in stream.flush():
+                                out += piece(
+                                    result.choice,
+                                    delta.get("content"),
+                                    tool_calls=delta.get("tool_calls"),
+                                )
+                            finish = tool_finish(finish, result.tool_mode, stream.called)
+                        out += piece(result.choice, finish=finish, logprobs=result.logprobs)
                     case p.ItemFinished(result=result):
                         # The SDK raises on an error event: the stream ends here.
                         assert result.error is not None

@@ -24,6 +24,7 @@ from kvmux.client.protocol import (
     JobInfo,
     ResultPart,
     ResultsPage,
+    ToolMode,
 )
 
 from ..access import OPERATOR, Caller
@@ -69,6 +70,7 @@ class ItemState:
     choices: int = 1
     n: int = 1
     chat: bool = False
+    tool_mode: ToolMode | None = None
     session: DecodeSession | None = None
     phase: Phase = "queued"
     result: ItemResult | None = None

@@ -58,6 +58,7 @@ def make_result(state: ItemState, status: Literal["ok", "error"], **fields: Any)
         choices=state.choices,
         n=state.n,
         chat=state.chat,
+        tool_mode=state.tool_mode,
         **fields,
     )
 

@@ -254,6 +254,7 @@ class Scheduler(TurnLoop):
                 choices=item.choices,
                 n=item.n,
                 chat=item.messages is not None,
+                tool_mode=item.tool_mode,
             )
             job.items.append(state)
             if isinstance(outcome, Admission):
