@@ -619,8 +619,8 @@ def build_decoder(
         """``x`` through the matrices ``parts`` ((name, out features), read in this order,
         each weight before its bias). Quantized ones of one layout run as one MatMulNBits
         (and one min correction) over their stacked rows, returned as that one output
-        named ``prefix/fused``: fewer, larger kernels (a decode step is mostly kernel
-        launches at SmolLM2's size). Otherwise one output per part."""
+        named ``prefix/fused``: fewer, larger nodes (at SmolLM2's size a decode step's
+        time is largely per-node overhead). Otherwise one output per part."""
         ws = []
         for name, n in parts:
             ws.append(fetch(f"{name}.weight", (h, n)))
