@@ -98,7 +98,7 @@ def write_file(path: Path, shape: Shape, mix: str, seed: int = 0) -> Path:
     """The random-weight GGUF for ``shape`` and ``mix``, one tensor in memory at a time."""
     import gguf
 
-    from tests.model.gguf_fixture import CHAT_TEMPLATE, train_vocab
+    from tests.model.gguf_fixture import TinyShape, Vocab, train_vocab, writer
 
     vocab = train_vocab()[1]
     pad = shape.vocab - len(vocab.tokens)
@@ -127,27 +127,19 @@ def write_file(path: Path, shape: Shape, mix: str, seed: int = 0) -> Path:
     embed = "Q4_0" if mix == "q4_0" else "Q4_K"
     tensors[0] = ("token_embd.weight", embed, shape.vocab, shape.hidden)
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"kvmux bench {path.stem}")
-    w.add_block_count(shape.layers)
-    w.add_context_length(shape.context)
-    w.add_embedding_length(shape.hidden)
-    w.add_feed_forward_length(shape.inter)
-    w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
-    w.add_rope_dimension_count(d)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")  # Llama 3's; both readers know it
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(vocab.merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    header = TinyShape(
+        hidden=shape.hidden,
+        layers=shape.layers,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        head=d,
+        inter=shape.inter,
+        context=shape.context,
+        rope_theta=500000.0,
+    )
+    padded = Vocab(tokens, vocab.merges, types)
+    # Llama 3's pre-tokenizer: both readers know it (llama.cpp refuses "gpt2").
+    w = writer(path, "llama", header, padded, pre="llama-bpe", name=f"kvmux bench {path.stem}")
     for name, kind, rows, cols in tensors:
         if kind == "F32":
             w.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)

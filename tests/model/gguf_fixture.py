@@ -140,27 +140,23 @@ def quantize_q8_0(w: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.nda
     return q, gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
 
 
-def write_gguf(
+def writer(
     path: Path,
     arch: str,
     shape: TinyShape,
-    weights: Mapping[str, np.ndarray[Any, Any]],
     vocab: Vocab,
     *,
-    quantized: Iterable[str] = (),
-    raw: Mapping[str, tuple[np.ndarray[Any, Any], Any]] | None = None,
-    skip: Iterable[str] = (),
     pre: str = "gpt2",
     tokenizer_model: str = "gpt2",
     add_bos: bool = False,
-) -> Path:
-    """A GGUF file of ``weights``; names in ``quantized`` stored as Q8_0, ``raw`` added as
-    given (GGUF name -> (bytes, type)), GGUF names in ``skip`` left out."""
+    name: str = "kvmux test model",
+) -> Any:
+    """A ``gguf.GGUFWriter`` holding ``shape``'s and ``vocab``'s metadata (BOS 1, EOS 2,
+    PAD 0, the ChatML template); the tensors are the caller's."""
     import gguf
 
-    quantized, skip = set(quantized), set(skip)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("kvmux test model")
+    w.add_name(name)
     w.add_block_count(shape.layers)
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
@@ -180,6 +176,29 @@ def write_gguf(
     w.add_pad_token_id(0)
     w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT_TEMPLATE)
+    return w
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    shape: TinyShape,
+    weights: Mapping[str, np.ndarray[Any, Any]],
+    vocab: Vocab,
+    *,
+    quantized: Iterable[str] = (),
+    raw: Mapping[str, tuple[np.ndarray[Any, Any], Any]] | None = None,
+    skip: Iterable[str] = (),
+    pre: str = "gpt2",
+    tokenizer_model: str = "gpt2",
+    add_bos: bool = False,
+) -> Path:
+    """A GGUF file of ``weights``; names in ``quantized`` stored as Q8_0, ``raw`` added as
+    given (GGUF name -> (bytes, type)), GGUF names in ``skip`` left out."""
+    import gguf
+
+    quantized, skip = set(quantized), set(skip)
+    w = writer(path, arch, shape, vocab, pre=pre, tokenizer_model=tokenizer_model, add_bos=add_bos)
     for hf, array in weights.items():
         name = gguf_name(hf)
         if name in skip:
