@@ -15,7 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "bench").glob("*.md"), *(ROOT / "docs").glob("*.md")])
 
 # Pages another branch writes, linked from here before it lands: the lead merges both.
-PENDING = {ROOT / "docs" / "tool-calling.md": "issue 45 (tool calling) writes it"}
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|<a\s+href=\"([^\"]+)\"")
 _FENCE = re.compile(r"^(```|~~~)")
@@ -72,8 +71,6 @@ def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
             continue
         file, _, anchor = unquote(target).partition("#")
         dest = (page.parent / file).resolve() if file else page
-        if dest in PENDING and not dest.exists():
-            continue
         if not dest.exists():
             broken.append(f"{target}: no {dest.relative_to(ROOT)}")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
@@ -86,12 +83,6 @@ def test_the_link_checker_catches_a_broken_link(tmp_path: Path) -> None:
     page.write_text("# Here\n[ok](#here) [bad](#there) `[code](nowhere.md)`\n```\n[x](y.md)\n```\n")
     assert links(page) == ["#here", "#there"]
     assert anchors(page) == {"here"}
-
-
-@pytest.mark.parametrize("page", sorted(PENDING), ids=lambda p: p.name)
-def test_pending_pages_have_not_landed_yet(page: Path) -> None:
-    """Once the page lands, drop it from PENDING so its links are checked in full."""
-    assert not page.exists(), f"{page.name} is here now ({PENDING[page]}): remove it from PENDING"
 
 
 def test_the_configuration_reference_matches_the_code() -> None:
